@@ -1,0 +1,77 @@
+"""Capture: a model, loss function and optimizer become one static training Program (and an eval one)."""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils._pytree import TreeSpec, keystr, tree_flatten_with_path
+
+from fleetc.capture.optimizer import lower_optimizer, optimizer_signature
+from fleetc.capture.step_module import TrainStep, split_step_args
+from fleetc.capture.to_program import graph_to_program
+from fleetc.capture.trace import trace_step
+from fleetc.ir.program import Program
+
+
+def _feed_names(model: nn.Module, args: tuple, kwargs: dict, has_target: bool) -> list[str]:
+    """Readable names for every leaf of (args, kwargs): forward's parameter names where known."""
+    try:
+        params = [p.name for p in inspect.signature(model.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    names = []
+    for path, _ in tree_flatten_with_path((args, kwargs))[0]:
+        top, rest = path[1], keystr(path[2:])
+        if path[0].idx == 0:
+            index = top.idx
+            if has_target and index == len(args) - 1:
+                base = "target"
+            else:
+                base = params[index] if index < len(params) else f"input{index}"
+        else:
+            base = str(top.key)
+        names.append(base + rest)
+    return names
+
+
+def param_names(model: nn.Module) -> dict[int, str]:
+    """id(parameter tensor) → its (first) qualified name; tied weights share one name."""
+    return {id(p): name for name, p in model.named_parameters()}
+
+
+def canonical_names(model: nn.Module) -> dict[str, str]:
+    """Every qualified name of a parameter or buffer → the first name it is reachable by (tied weights)."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for named in (model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)):
+        for name, tensor in named:
+            aliases[name] = first.setdefault(id(tensor), name)
+    return aliases
+
+
+def capture_train_program(model: nn.Module, loss_fn: Callable | None, optimizer: torch.optim.Optimizer | None,
+                          args: tuple, kwargs: dict[str, Any]) -> Program:
+    """The whole training step: forward, loss, backward and (with an optimizer) the update."""
+    step = TrainStep(model, loss_fn)
+    graph, _ = trace_step(step, args, kwargs, train=True)
+    program = graph_to_program(graph, _feed_names(model, args, kwargs, loss_fn is not None), wrapped=True,
+                               loss_fn_given=loss_fn is not None, canonical=canonical_names(model))
+    program.metadata["kind"] = "train"
+    if optimizer is not None:
+        lower_optimizer(program, optimizer, param_names(model))
+    return program
+
+
+def capture_eval_program(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[Program, TreeSpec]:
+    """Forward only, no grad, eval-mode semantics (the caller switches the model to eval); and the output spec."""
+    graph, out_spec = trace_step(model, args, kwargs, train=False)
+    program = graph_to_program(graph, _feed_names(model, args, kwargs, False), wrapped=False, loss_fn_given=False,
+                               canonical=canonical_names(model))
+    program.metadata["kind"] = "eval"
+    return program, out_spec
+
+
+__all__ = ["capture_train_program", "capture_eval_program", "optimizer_signature", "split_step_args", "param_names"]

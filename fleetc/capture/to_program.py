@@ -1,0 +1,239 @@
+"""Converts a traced aten FX graph (with AOTAutograd descriptors) into a Program."""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+from torch._functorch._aot_autograd.descriptors import (
+    BufferAOTInput,
+    GradAOTOutput,
+    InputMutationAOTOutput,
+    ParamAOTInput,
+    PlainAOTInput,
+    PlainAOTOutput,
+    TangentAOTInput,
+)
+
+from fleetc.capture.step_module import MODEL_ATTR
+from fleetc.capture.trace import user_frame_from_stack_trace
+from fleetc.errors import CaptureError
+from fleetc.ir.program import Op, OpRole, Program, Ref, Var, VarKind
+
+LOSS_VAR = "loss"
+OUTPUT_VAR = "output"
+
+
+def grad_name(param: str) -> str:
+    return f"{param}@GRAD"
+
+
+def _strip_model_prefix(path: str) -> str:
+    """`model.layers.0.fc` → `layers.0.fc`; paths outside the model (the loss function) → ``."""
+    if path == MODEL_ATTR:
+        return ""
+    if path.startswith(MODEL_ATTR + "."):
+        return path[len(MODEL_ATTR) + 1:]
+    return path
+
+
+def _module_path(node: torch.fx.Node, backward: bool, wrapped: bool) -> str:
+    stack = node.meta.get("fwd_nn_module_stack" if backward else "nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return _strip_model_prefix(path) if wrapped else path
+
+
+def _var_from_value(name: str, value: Any, kind: VarKind) -> Var:
+    if isinstance(value, torch.Tensor):
+        return Var(name, tuple(int(d) for d in value.shape), str(value.dtype).removeprefix("torch."),
+                   str(value.device), kind)
+    if isinstance(value, bool):
+        return Var(name, None, "bool", "cpu", kind)
+    if isinstance(value, int):
+        return Var(name, None, "int64", "cpu", kind)
+    if isinstance(value, float):
+        return Var(name, None, "float64", "cpu", kind)
+    raise CaptureError(f"value {name!r} of type {type(value).__name__} cannot be a Program variable")
+
+
+class _Converter:
+    """One pass over the FX graph, building the Program's global block."""
+
+    def __init__(self, gm: torch.fx.GraphModule, feed_names: list[str], wrapped: bool, loss_ops: bool,
+                 canonical: dict[str, str]):
+        self.gm = gm
+        self.canonical = canonical  # tied weights: every alias → the name named_parameters() reports
+        self.feed_names = feed_names
+        self.wrapped = wrapped  # graph of a TrainStep: names carry the `model.` prefix
+        self.loss_ops = loss_ops  # ops outside the model are the loss function's (marked LOSS)
+        self.program = Program()
+        self.block = self.program.global_block
+        self.env: dict[torch.fx.Node, Any] = {}  # node → Ref, or a list of Refs for tuple results
+        self.seq_to_forward: dict[int, list[Op]] = {}
+
+    def name_of(self, target: str) -> str:
+        name = _strip_model_prefix(target) if self.wrapped else target
+        return self.canonical.get(name, name)
+
+    def placeholder(self, node: torch.fx.Node) -> None:
+        desc = node.meta.get("desc")
+        value = node.meta.get("val")
+        if isinstance(desc, ParamAOTInput):
+            var = _var_from_value(self.name_of(desc.target), value, VarKind.PARAM)
+        elif isinstance(desc, BufferAOTInput):
+            var = _var_from_value(self.name_of(desc.target), value, VarKind.BUFFER)
+        elif isinstance(desc, PlainAOTInput):
+            var = _var_from_value(self.feed_names[desc.idx], value, VarKind.DATA)
+            self.program.feeds.append(var.name)
+        elif isinstance(desc, TangentAOTInput):
+            self.env[node] = "tangent"  # becomes ones_like(loss), emitted with the output node
+            return
+        else:
+            raise CaptureError(f"unexpected graph input {node.name} ({desc!r})")
+        self.block.add_var(var)
+        self.env[node] = Ref(var.name)
+
+    def arg(self, value: Any) -> Any:
+        if isinstance(value, torch.fx.Node):
+            ref = self.env[value]
+            if ref == "tangent":
+                return Ref(grad_name(LOSS_VAR))
+            return ref
+        if isinstance(value, (list, tuple)):
+            return [self.arg(v) for v in value]
+        if isinstance(value, dict):
+            return {k: self.arg(v) for k, v in value.items()}
+        return value
+
+    def attrs(self, node: torch.fx.Node) -> dict:
+        backward = node.meta.get("partitioner_tag") == "is_backward"
+        path = _module_path(node, backward, self.wrapped)
+        role = OpRole.BACKWARD if backward else OpRole.FORWARD
+        if not backward and self.loss_ops and not path:
+            role |= OpRole.LOSS
+        attrs = {"op_role": int(role), "module_path": path}
+        seq_nr = node.meta.get("seq_nr")
+        if backward and seq_nr in self.seq_to_forward:
+            candidates = self.seq_to_forward[seq_nr]
+            same_module = [op for op in candidates if op.module_path == path]
+            attrs["forward_op"] = (same_module or candidates)[-1].name
+        device = (node.meta.get("custom") or {}).get("op_device")
+        if device:
+            attrs["op_device"] = device
+        source = user_frame_from_stack_trace(node.meta.get("stack_trace"))
+        if source:
+            attrs["source"] = source
+        return attrs
+
+    def call(self, node: torch.fx.Node) -> None:
+        if node.target is operator.getitem:
+            parent, index = node.args
+            outputs = self.env[parent]
+            var = _var_from_value(node.name, node.meta["val"], VarKind.TEMP)
+            self.block.add_var(var)
+            outputs[index] = var.name
+            self.env[node] = Ref(var.name)
+            return
+        if not isinstance(node.target, torch._ops.OpOverload):
+            raise CaptureError(f"graph node {node.name} calls {node.target!r}, which is not an aten operator")
+        value = node.meta.get("val")
+        op = Op(node.name, str(node.target), tuple(self.arg(a) for a in node.args),
+                {k: self.arg(v) for k, v in node.kwargs.items()}, attrs=self.attrs(node))
+        if isinstance(value, (tuple, list)):
+            op.outputs = [None] * len(value)
+            self.env[node] = op.outputs  # getitem nodes fill the slots they read
+        else:
+            var = self.block.add_var(_var_from_value(node.name, value, VarKind.TEMP))
+            op.outputs = [var.name]
+            self.env[node] = Ref(var.name)
+        if OpRole.FORWARD in op.role and node.meta.get("seq_nr") is not None:
+            self.seq_to_forward.setdefault(node.meta["seq_nr"], []).append(op)
+        self.block.ops.append(op)
+
+    def rename(self, old: str, new: str) -> None:
+        """Rename a temporary Var everywhere it appears."""
+        var = self.block.vars.pop(old)
+        var.name = new
+        self.block.vars[new] = var
+        for op in self.block.ops:
+            op.rename_inputs({old: new})
+            op.outputs = [new if o == old else o for o in op.outputs]
+
+    def bind_result(self, ref: Ref, wanted: str, module_path: str, role: OpRole) -> str:
+        """Give the value `ref` the name `wanted`: rename its temporary, or copy when it is not one."""
+        var = self.block.vars.get(ref.name)
+        if var is not None and var.kind is VarKind.TEMP and ref.name not in self.program.fetches.values():
+            self.rename(ref.name, wanted)
+            return wanted
+        source = self.program.var(ref.name)
+        self.block.add_var(Var(wanted, source.shape, source.dtype, source.device, VarKind.TEMP))
+        self.block.ops.append(Op(self.program.unique_name(f"{wanted}.clone"), "aten.clone.default", (ref,),
+                                 outputs=[wanted], attrs={"op_role": int(role), "module_path": module_path}))
+        return wanted
+
+    def output(self, node: torch.fx.Node) -> None:
+        descs = node.meta.get("desc") or []
+        values = node.args[0]
+        mutations: list[tuple[str, Ref]] = []
+        grads: list[tuple[str, Ref]] = []
+        for desc, value in zip(descs, values):
+            if isinstance(desc, PlainAOTOutput):
+                key = LOSS_VAR if self._has_tangent() else f"{OUTPUT_VAR}.{desc.idx}"
+                self.program.fetches[key] = self.bind_result(self.arg(value), key, "", OpRole.FORWARD)
+            elif isinstance(desc, InputMutationAOTOutput):
+                mutations.append((self.name_of(desc.mutated_input.target), self.arg(value)))
+            elif isinstance(desc, GradAOTOutput) and value is not None:
+                grads.append((self.name_of(desc.grad_of.target), self.arg(value)))
+        if self._has_tangent():
+            self._insert_loss_grad()
+        for buffer, ref in mutations:
+            self._insert_assign(buffer, ref)
+        for param, ref in grads:
+            name = self.bind_result(ref, grad_name(param), "", OpRole.BACKWARD)
+            self.program.fetches[f"grad:{param}"] = name
+
+    def _has_tangent(self) -> bool:
+        return "tangent" in self.env.values()
+
+    def _insert_loss_grad(self) -> None:
+        """The backward seed: d(loss)/d(loss) = 1, placed just before the first backward op."""
+        loss = self.program.var(LOSS_VAR)
+        self.block.add_var(Var(grad_name(LOSS_VAR), loss.shape, loss.dtype, loss.device))
+        seed = Op("loss_grad", "aten.ones_like.default", (Ref(LOSS_VAR),), outputs=[grad_name(LOSS_VAR)],
+                  attrs={"op_role": int(OpRole.BACKWARD | OpRole.LOSS), "module_path": ""})
+        first_backward = next((i for i, op in enumerate(self.block.ops) if OpRole.BACKWARD in op.role),
+                              len(self.block.ops))
+        self.block.ops.insert(first_backward, seed)
+
+    def _insert_assign(self, buffer: str, ref: Ref) -> None:
+        """Write a buffer's new value once nothing reads its old value any more."""
+        ops = self.block.ops
+        after = max([i for i, op in enumerate(ops) if buffer in op.inputs or ref.name in op.defined], default=-1)
+        producer = next((op for op in ops if ref.name in op.defined), None)
+        attrs = {"op_role": int(OpRole.FORWARD),
+                 "module_path": producer.module_path if producer else buffer.rpartition(".")[0]}
+        ops.insert(after + 1, Op(self.program.unique_name(f"{buffer}.assign"), "fleetc.assign",
+                                 (Ref(buffer), ref), outputs=[buffer], attrs=attrs))
+
+    def run(self) -> Program:
+        for node in self.gm.graph.nodes:
+            if node.op == "placeholder":
+                self.placeholder(node)
+            elif node.op == "call_function":
+                self.call(node)
+            elif node.op == "output":
+                self.output(node)
+            else:
+                raise CaptureError(f"unexpected FX node kind {node.op!r} ({node.name})")
+        return self.program
+
+
+def graph_to_program(gm: torch.fx.GraphModule, feed_names: list[str], *, wrapped: bool, loss_fn_given: bool,
+                     canonical: dict[str, str]) -> Program:
+    """The Program of a traced step; `wrapped` when the graph came from a TrainStep module.
+
+    `canonical` maps alias names of shared parameters/buffers to the one name the Program uses.
+    """
+    return _Converter(gm, feed_names, wrapped, loss_fn_given, canonical).run()

@@ -1,0 +1,101 @@
+"""Traces one training (or evaluation) step into an aten-level FX graph with descriptors.
+
+torch.export (non-strict) turns the step into a graph module, then AOTAutograd's joint export
+adds the backward and functionalizes it; both keep module paths, stack traces, sequence numbers
+and `device_guard` annotations on the nodes.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import traceback
+from typing import Any
+
+import torch
+from torch import nn
+from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+from torch.utils._pytree import TreeSpec
+
+from fleetc.errors import CaptureError
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_FLEETC_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_STDLIB_DIR = os.path.dirname(contextlib.__file__)
+
+
+def is_user_file(filename: str) -> bool:
+    """True for files that are neither torch's, fleetc's nor the standard library's."""
+    path = os.path.abspath(filename)
+    return not (path.startswith(_TORCH_DIR) or path.startswith(_FLEETC_DIR) or path.startswith(_STDLIB_DIR)
+                or "site-packages" in path and os.sep + "torch" in path or path.startswith("<"))
+
+
+def user_frame_from_stack_trace(stack_trace: str | None) -> str:
+    """`file:line` of the innermost user frame in an FX node's recorded stack trace ("" if none)."""
+    if not stack_trace:
+        return ""
+    found = ""
+    for line in stack_trace.splitlines():
+        line = line.strip()
+        if line.startswith('File "'):
+            filename, _, rest = line[6:].partition('", line ')
+            lineno = rest.split(",", 1)[0]
+            if is_user_file(filename):
+                found = f"{filename}:{lineno}"
+    return found
+
+
+_HINTS = (
+    (("data-dependent", "GuardOnDataDependent", "data dependent"),
+     "data-dependent Python control flow (an `if`/loop on a tensor's value)",
+     "compute both branches and pick with torch.where, use torch.cond, or move the decision out of forward"),
+    (("item()", ".item", "_local_scalar_dense"),
+     "a tensor converted to a Python number (.item(), float(t), int(t))",
+     "keep the value as a tensor inside forward"),
+    (("nonzero", "unbacked"),
+     "an op whose output shape depends on tensor values",
+     "use a fixed-size formulation (masks instead of boolean indexing)"),
+)
+
+
+def _user_location(exc: BaseException) -> str:
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if is_user_file(f.filename)]
+    if not frames:
+        return "an unknown location in the model"
+    frame = frames[-1]
+    code = f"  ({frame.line.strip()})" if frame.line else ""
+    return f"{frame.filename}:{frame.lineno}{code}"
+
+
+def capture_error(exc: BaseException) -> CaptureError:
+    """A CaptureError naming the construct, the user's file:line and a hint."""
+    text = f"{type(exc).__name__}: {exc}"
+    construct, hint = f"an unsupported construct ({type(exc).__name__})", "see the chained error below"
+    for needles, what, how in _HINTS:
+        if any(n in text for n in needles):
+            construct, hint = what, how
+            break
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return CaptureError(
+        f"cannot capture the training step: {construct} at {_user_location(exc)}\n"
+        f"  torch said: {first_line[:300]}\n  hint: {hint}"
+    )
+
+
+def trace_step(module: nn.Module, args: tuple, kwargs: dict[str, Any], *,
+               train: bool) -> tuple[torch.fx.GraphModule, TreeSpec]:
+    """The joint (train) or forward-only (eval) aten graph of `module(*args, **kwargs)`, and its output spec.
+
+    Placeholders and the output node carry AOTAutograd descriptors in `meta["desc"]`.
+    """
+    grad_mode = contextlib.nullcontext() if train else torch.no_grad()
+    try:
+        with torch.fx.traceback.preserve_node_meta(), grad_mode:
+            exported = torch.export.export(module, args, kwargs, strict=False)
+            with contextlib.ExitStack() as stack:
+                joint = aot_export_joint_with_descriptors(stack, exported.module(), args, kwargs)
+                return joint.graph_module, exported.call_spec.out_spec
+    except CaptureError:
+        raise
+    except Exception as exc:  # torch raises many unrelated types here; all mean "could not capture"
+        raise capture_error(exc) from exc

@@ -1,0 +1,25 @@
+"""Exception types users can catch; every message names the problem and where it is."""
+
+
+class FleetcError(Exception):
+    """Base class of every error fleetc raises on purpose."""
+
+
+class StrategyError(FleetcError, ValueError):
+    """A strategy field, config key or value is unknown, of the wrong type, or out of range."""
+
+
+class CaptureError(FleetcError):
+    """The model's training step could not be captured into a static Program."""
+
+
+class VerificationError(FleetcError):
+    """A Program broke an IR invariant; names the op, shows context and the pass that broke it."""
+
+
+class PassError(FleetcError):
+    """A pass could not run on the Program it was given."""
+
+
+class UnsupportedOptimizerError(FleetcError, TypeError):
+    """The optimizer has no Program lowering; lists the supported ones."""

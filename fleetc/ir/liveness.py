@@ -1,0 +1,115 @@
+"""Liveness over a block and a static estimate of peak live bytes (aliasing views share storage)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fleetc.ir.program import Block, Op, Program, VarKind
+from fleetc.ops.registry import resolve_callable
+
+
+def block_reads(program: Program, op: Op) -> list[str]:
+    """Vars an op reads, including everything its sub-block (recursively) reads from outside."""
+    reads = list(op.inputs)
+    if op.sub_block is not None:
+        sub = program.blocks[op.sub_block]
+        inner_defined: set[str] = set()
+        for inner in sub.ops:
+            reads += [n for n in block_reads(program, inner) if n not in inner_defined]
+            inner_defined.update(inner.defined)
+    return list(dict.fromkeys(reads))
+
+
+def aliased_input(op: Op, output_index: int) -> str | None:
+    """For a view op (`aten.t`, `aten.view`, …) the input Var whose storage output `output_index` shares."""
+    if not op.type.startswith("aten."):
+        return None
+    try:
+        schema = resolve_callable(op.type)._schema
+    except (KeyError, AttributeError):
+        return None
+    if output_index >= len(schema.returns):
+        return None
+    alias = schema.returns[output_index].alias_info
+    if alias is None or alias.is_write:
+        return None
+    for arg_schema, value in zip(schema.arguments, op.args):
+        info = arg_schema.alias_info
+        if info is not None and not info.is_write and set(info.before_set) & set(alias.before_set):
+            return getattr(value, "name", None)
+    return None
+
+
+def last_use_index(program: Program, block: Block, keep: set[str]) -> dict[str, int]:
+    """For every temporary defined or read in `block`, the index of the op after which it is dead.
+
+    Vars in `keep` (fetched results) never die. A storage stays alive while any view of it does,
+    so a base's death is pushed to its views' last use.
+    """
+    last: dict[str, int] = {}
+    base_of: dict[str, str] = {}
+    for i, op in enumerate(block.ops):
+        for name in block_reads(program, op):
+            last[name] = i
+        for j, name in enumerate(op.outputs):
+            if name is None:
+                continue
+            last.setdefault(name, i)
+            base = aliased_input(op, j)
+            if base is not None:
+                base_of[name] = base_of.get(base, base)
+    for view, base in base_of.items():
+        last[base] = max(last.get(base, 0), last.get(view, 0))
+    return {n: i for n, i in last.items()
+            if n not in keep and (v := program.find_var(n, block.idx)) is not None and v.kind is VarKind.TEMP}
+
+
+@dataclass
+class MemoryEstimate:
+    """Static peak of live bytes: persistables and feeds all step long, temporaries while live."""
+
+    peak_bytes: int
+    peak_op: str
+    persistable_bytes: dict[str, int] = field(default_factory=dict)
+    feed_bytes: int = 0
+    peak_temporary_bytes: int = 0
+    live_after_op: list[tuple[str, int]] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"estimated_peak_bytes": self.peak_bytes, "peak_op": self.peak_op,
+                "persistable_bytes": dict(self.persistable_bytes), "feed_bytes": self.feed_bytes,
+                "peak_temporary_bytes": self.peak_temporary_bytes}
+
+
+def estimate_memory(program: Program) -> MemoryEstimate:
+    """Walk the global block, counting each storage once (views add no bytes)."""
+    block = program.global_block
+    by_kind: dict[str, int] = {}
+    for var in program.persistables():
+        by_kind[var.kind.value] = by_kind.get(var.kind.value, 0) + var.nbytes()
+    feeds = sum(program.var(n).nbytes() for n in program.feeds)
+    base = sum(by_kind.values()) + feeds
+    dead_after = last_use_index(program, block, set(program.fetches.values()))
+    views = view_vars(block)
+    live = 0
+    peak, peak_op, peak_temp = base, "", 0
+    timeline = []
+    for i, op in enumerate(block.ops):
+        for j, name in enumerate(op.outputs):
+            var = program.find_var(name, block.idx) if name else None
+            if var is not None and var.kind is VarKind.TEMP and name not in views:
+                live += var.nbytes()
+        if base + live > peak:
+            peak, peak_op = base + live, op.name
+        peak_temp = max(peak_temp, live)
+        timeline.append((op.name, base + live))
+        for name in dict.fromkeys([*op.defined, *block_reads(program, op)]):
+            if dead_after.get(name) == i and name not in views:
+                live -= program.var(name, block.idx).nbytes()
+    return MemoryEstimate(peak, peak_op, by_kind, feeds, peak_temp, timeline)
+
+
+
+def view_vars(block: Block) -> set[str]:
+    """Temporaries that are views of another Var's storage."""
+    return {name for op in block.ops for j, name in enumerate(op.outputs)
+            if name is not None and aliased_input(op, j) is not None}

@@ -1,0 +1,159 @@
+"""JSON form of a Program that round-trips exactly: same text, same fields, tuples still tuples.
+
+Values JSON cannot hold are tagged one-key objects: `{"$ref": name}`, `{"$tuple": [...]}`,
+`{"$dtype": "float32"}`, `{"$device": "cpu"}`, `{"$layout": "strided"}`,
+`{"$memory_format": "contiguous_format"}`, `{"$float": "inf"}`, `{"$sym": "2*s0", "assumptions": {...}}`,
+and `{"$dict": [[key, value], ...]}` for dicts whose keys are not plain strings. Dicts keep their
+order (the printer shows kwargs in order) except op attrs, which are written sorted.
+"""
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import sympy
+import torch
+
+from fleetc.ir.program import Block, Op, Program, Ref, Var, VarKind
+
+FORMAT_VERSION = 1
+_VERSION_KEY = "fleetc_program"
+# torch singletons stored by their attribute name on the torch module.
+_TORCH_TAGS = {"$dtype": torch.dtype, "$layout": torch.layout, "$memory_format": torch.memory_format}
+
+
+def _encode_sym(expr: sympy.Basic) -> dict:
+    encoded: dict[str, Any] = {"$sym": str(expr)}
+    # torch's shape symbols carry assumptions (integer, positive); equality depends on them.
+    assumptions = {s.name: s.__getnewargs_ex__()[1] for s in sorted(expr.free_symbols, key=str)}
+    if any(assumptions.values()):
+        encoded["assumptions"] = assumptions
+    return encoded
+
+
+def _decode_sym(encoded: dict) -> sympy.Basic:
+    names = {name: sympy.Symbol(name, **kw) for name, kw in encoded.get("assumptions", {}).items()}
+    return sympy.sympify(encoded["$sym"], locals=names)
+
+
+def encode_value(value: Any, where: str) -> Any:
+    """A JSON-ready form of an argument, attribute or metadata value; `where` names it in errors."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {"$float": repr(value)}
+    if isinstance(value, Ref):
+        return {"$ref": value.name}
+    if isinstance(value, list):
+        return [encode_value(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, tuple):
+        return {"$tuple": [encode_value(v, f"{where}[{i}]") for i, v in enumerate(value)]}
+    if isinstance(value, dict):
+        if all(isinstance(k, str) and not k.startswith("$") for k in value):
+            return {k: encode_value(v, f"{where}[{k!r}]") for k, v in value.items()}
+        return {"$dict": [[encode_value(k, f"{where} key"), encode_value(v, f"{where}[{k!r}]")]
+                          for k, v in value.items()]}
+    for tag, kind in _TORCH_TAGS.items():
+        if isinstance(value, kind):
+            return {tag: str(value).removeprefix("torch.")}
+    if isinstance(value, torch.device):
+        return {"$device": str(value)}
+    if isinstance(value, sympy.Basic):
+        return _encode_sym(value)
+    raise TypeError(f"cannot encode {where} to JSON: {type(value).__qualname__} value {value!r}")
+
+
+def decode_value(data: Any) -> Any:
+    """Inverse of `encode_value`."""
+    if isinstance(data, list):
+        return [decode_value(v) for v in data]
+    if not isinstance(data, dict):
+        return data
+    if "$sym" in data:
+        return _decode_sym(data)
+    if len(data) != 1 or not next(iter(data)).startswith("$"):
+        return {k: decode_value(v) for k, v in data.items()}
+    tag, payload = next(iter(data.items()))
+    if tag == "$ref":
+        return Ref(payload)
+    if tag == "$tuple":
+        return tuple(decode_value(v) for v in payload)
+    if tag == "$dict":
+        return {decode_value(k): decode_value(v) for k, v in payload}
+    if tag == "$float":
+        return float(payload)
+    if tag == "$device":
+        return torch.device(payload)
+    if tag in _TORCH_TAGS:
+        value = getattr(torch, payload, None)
+        if not isinstance(value, _TORCH_TAGS[tag]):
+            raise ValueError(f"{tag} {payload!r} is not a torch {_TORCH_TAGS[tag].__name__}")
+        return value
+    raise ValueError(f"unknown tag {tag!r} in a serialized Program value")
+
+
+def _encode_shape(shape: tuple | None, where: str) -> list | None:
+    if shape is None:
+        return None
+    return [d if isinstance(d, int) else encode_value(d, where) for d in shape]
+
+
+def _var_to_dict(var: Var) -> dict:
+    return {"name": var.name, "shape": _encode_shape(var.shape, f"shape of var {var.name!r}"),
+            "dtype": var.dtype, "device": var.device, "kind": var.kind.value}
+
+
+def _var_from_dict(data: dict) -> Var:
+    shape = None if data["shape"] is None else tuple(decode_value(d) for d in data["shape"])
+    return Var(data["name"], shape, data["dtype"], data["device"], VarKind(data["kind"]))
+
+
+def _op_to_dict(op: Op) -> dict:
+    where = f"op {op.name!r} ({op.type})"
+    return {
+        "name": op.name,
+        "type": op.type,
+        "args": [encode_value(a, f"{where} argument {i}") for i, a in enumerate(op.args)],
+        "kwargs": encode_value(op.kwargs, f"{where} keyword argument"),
+        "outputs": list(op.outputs),
+        "attrs": encode_value(dict(sorted(op.attrs.items())), f"{where} attribute"),
+    }
+
+
+def _op_from_dict(data: dict) -> Op:
+    return Op(data["name"], data["type"], tuple(decode_value(a) for a in data["args"]), decode_value(data["kwargs"]),
+              list(data["outputs"]), decode_value(data["attrs"]))
+
+
+def to_dict(program: Program) -> dict:
+    """The Program as plain JSON data (format version included); TypeError names any unencodable value."""
+    return {
+        _VERSION_KEY: FORMAT_VERSION,
+        "feeds": list(program.feeds),
+        "fetches": dict(program.fetches),
+        "metadata": encode_value(program.metadata, "program metadata"),
+        "blocks": [{"idx": b.idx, "parent_idx": b.parent_idx, "vars": [_var_to_dict(v) for v in b.vars.values()],
+                    "ops": [_op_to_dict(op) for op in b.ops]} for b in program.blocks],
+    }
+
+
+def from_dict(data: dict) -> Program:
+    """Inverse of `to_dict`; ValueError for data of another format version."""
+    version = data.get(_VERSION_KEY) if isinstance(data, dict) else None
+    if version != FORMAT_VERSION:
+        raise ValueError(f"not a fleetc Program of format version {FORMAT_VERSION} "
+                         f"({_VERSION_KEY!r} is {version!r}); was it written by another fleetc version?")
+    blocks = [Block(b["idx"], b["parent_idx"], [_op_from_dict(op) for op in b["ops"]],
+                    {v["name"]: _var_from_dict(v) for v in b["vars"]}) for b in data["blocks"]]
+    return Program(blocks, list(data["feeds"]), dict(data["fetches"]), decode_value(data["metadata"]))
+
+
+def program_to_json(program: Program, indent: int | None = 1) -> str:
+    """Deterministic JSON text of a Program."""
+    return json.dumps(to_dict(program), indent=indent, allow_nan=False)
+
+
+def program_from_json(text: str) -> Program:
+    """A Program from `program_to_json` text."""
+    return from_dict(json.loads(text))

@@ -1,0 +1,35 @@
+"""What a pass is: a name, the strategy fields it reads, and `run(program, config) -> (program, report)`."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from fleetc.ir.program import Program
+
+
+@dataclass
+class PassReport:
+    """What a pass did: statistics, whether the Program changed, and why not when its flag was on."""
+
+    name: str
+    changed: bool = False
+    stats: dict[str, int] = field(default_factory=dict)
+    skipped_reason: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def count(self, key: str, n: int = 1) -> None:
+        self.stats[key] = self.stats.get(key, 0) + n
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "changed": self.changed, "stats": dict(self.stats),
+                "skipped_reason": self.skipped_reason, "notes": list(self.notes)}
+
+
+class Pass(Protocol):
+    """A Program rewrite. `run` may mutate the Program it is given (the manager hands it a copy)."""
+
+    name: str
+    summary: str
+    reads: tuple[str, ...]
+
+    def run(self, program: Program, config: Any) -> tuple[Program, PassReport]: ...

@@ -1,0 +1,61 @@
+"""Dead-code elimination: drops ops whose results nobody reads and that have no side effect."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fleetc.ir.liveness import block_reads
+from fleetc.ir.program import Block, Op, Program, VarKind
+from fleetc.ops.registry import resolve_callable
+from fleetc.passes.base import PassReport
+
+
+def has_side_effect(program: Program, block: Block, op: Op) -> bool:
+    """Writes persistable state, owns a sub-block, or draws random numbers (dropping it would shift the RNG stream)."""
+    if op.sub_block is not None or not op.type.startswith("aten."):
+        return True
+    if any(program.var(n, block.idx).kind is not VarKind.TEMP for n in op.defined):
+        return True
+    overload = resolve_callable(op.type)
+    return torch.Tag.nondeterministic_seeded in overload.tags
+
+
+def eliminate_dead_ops(program: Program, block: Block, keep: set[str]) -> int:
+    """Remove dead ops from one block (one backward sweep); returns how many were removed."""
+    needed = set(keep)
+    kept: list[Op] = []
+    removed = 0
+    for op in reversed(block.ops):
+        if has_side_effect(program, block, op) or any(n in needed for n in op.defined):
+            needed.update(block_reads(program, op))
+            kept.append(op)
+        else:
+            removed += 1
+    block.ops = kept[::-1]
+    return removed
+
+
+def drop_unused_temporaries(program: Program) -> int:
+    """Forget temporaries that no op defines or reads any more."""
+    used = {n for _, op in program.walk_ops() for n in (*op.inputs, *op.defined)} | set(program.fetches.values())
+    dropped = 0
+    for block in program.blocks:
+        for name in [n for n, v in block.vars.items() if v.kind is VarKind.TEMP and n not in used]:
+            del block.vars[name]
+            dropped += 1
+    return dropped
+
+
+class DeadCodeElimination:
+    name = "dead_code_elimination"
+    summary = "drop ops whose results are never read and that have no side effect"
+    reads: tuple[str, ...] = ()
+
+    def run(self, program: Program, config: Any) -> tuple[Program, PassReport]:
+        report = PassReport(self.name)
+        for block in reversed(program.blocks):
+            report.count("ops_removed", eliminate_dead_ops(program, block, set(program.fetches.values())))
+        report.count("vars_removed", drop_unused_temporaries(program))
+        report.changed = report.stats["ops_removed"] > 0 or report.stats["vars_removed"] > 0
+        return program, report

@@ -1,0 +1,77 @@
+"""Removes ops that only re-expose a value: detach, clone/copy of a temporary, same-shape views, t(t(x))."""
+from __future__ import annotations
+
+from typing import Any
+
+from fleetc.ir.program import Op, Program, Ref, VarKind
+from fleetc.passes.base import PassReport
+from fleetc.passes.dce import drop_unused_temporaries
+
+_IDENTITY = {"aten.detach.default", "aten.alias.default", "aten.clone.default", "aten.lift_fresh_copy.default",
+             "aten._to_copy.default"}
+_RESHAPES = {"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.expand.default"}
+
+
+def _same_value_source(program: Program, op: Op, transposed_from: dict[str, str]) -> str | None:
+    """The Var that `op`'s single output always equals, when the op is a no-op."""
+    if len(op.outputs) != 1 or op.outputs[0] is None or not op.args or not isinstance(op.args[0], Ref):
+        return None
+    src, out = program.var(op.args[0].name), program.var(op.outputs[0])
+    same = (src.shape, src.dtype, src.device) == (out.shape, out.dtype, out.device)
+    if op.type in _IDENTITY and same and op.kwargs.get("memory_format") is None:
+        return src.name
+    if op.type in _RESHAPES and same:
+        return src.name
+    if op.type == "aten.t.default" and src.name in transposed_from:
+        return transposed_from[src.name]
+    return None
+
+
+class RemoveNoopViews:
+    name = "remove_noop_views"
+    summary = "forward the input of value-preserving ops (detach, clone of temporaries, same-shape views, t∘t)"
+    reads: tuple[str, ...] = ()
+
+    def run(self, program: Program, config: Any) -> tuple[Program, PassReport]:
+        report = PassReport(self.name)
+        block = program.global_block
+        fetched = set(program.fetches.values())
+        parent: dict[str, str] = {}
+
+        def root(name: str) -> str:
+            while name in parent:
+                name = parent[name]
+            return name
+
+        transposed_from: dict[str, str] = {}
+        removed: set[int] = set()
+        for i, op in enumerate(block.ops):
+            src = _same_value_source(program, op, transposed_from)
+            out = op.outputs[0] if op.outputs else None
+            if src is not None and program.var(src).kind is VarKind.TEMP and program.var(out).kind is VarKind.TEMP:
+                a, b = root(src), root(out)
+                if not (a in fetched and b in fetched):
+                    parent[b] = a
+                    removed.add(i)
+                    report.count(op.type.split(".")[1] + "_removed")
+                    continue
+            if op.type == "aten.t.default" and isinstance(op.args[0], Ref):
+                transposed_from[op.outputs[0]] = root(op.args[0].name)
+        if not removed:
+            return program, report
+        classes: dict[str, list[str]] = {}
+        for name in list(parent):
+            classes.setdefault(root(name), []).append(name)
+        rename = {}
+        for rep, members in classes.items():
+            group = [rep, *members]
+            # The surviving name is the most meaningful one: fetched, then semantic (`w@GRAD`), then the original.
+            best = next((n for n in group if n in fetched), None) or next((n for n in group if "@" in n), rep)
+            rename.update({n: best for n in group if n != best})
+        block.ops = [op for i, op in enumerate(block.ops) if i not in removed]
+        for op in block.ops:
+            op.rename_inputs(rename)
+            op.outputs = [rename.get(o, o) for o in op.outputs]
+        drop_unused_temporaries(program)
+        report.changed = True
+        return program, report

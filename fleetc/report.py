@@ -1,0 +1,39 @@
+"""CompileReport: which passes changed the Program, which were skipped and why, their statistics."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class CompileReport:
+    """Readable when printed, structured for scripts.
+
+    `applied`: passes that changed the Program, in order. `skipped`: pass or strategy field → reason.
+    `stats`: pass → statistics. `decisions`: how conflicting strategy settings were resolved.
+    """
+
+    applied: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    stats: dict[str, dict[str, int]] = field(default_factory=dict)
+    compile_seconds: float = 0.0
+    decisions: list[str] = field(default_factory=list)
+    memory: dict[str, Any] = field(default_factory=dict)
+    ops_before: int = 0
+    ops_after: int = 0
+
+    def __str__(self) -> str:
+        lines = [f"fleetc compile report: {self.ops_before} → {self.ops_after} ops in {self.compile_seconds:.2f} s"]
+        lines.append("applied: " + (", ".join(self.applied) or "none"))
+        for name in self.applied:
+            stats = ", ".join(f"{k}={v}" for k, v in sorted(self.stats.get(name, {}).items()))
+            lines.append(f"  {name}: {stats or 'no statistics'}")
+        if self.skipped:
+            lines.append("skipped:")
+            lines += [f"  {name}: {why}" for name, why in self.skipped.items()]
+        if self.decisions:
+            lines.append("strategy decisions:")
+            lines += [f"  {d}" for d in self.decisions]
+        if self.memory:
+            lines.append(f"estimated peak memory: {self.memory['estimated_peak_bytes'] / 2**20:.2f} MiB")
+        return "\n".join(lines)

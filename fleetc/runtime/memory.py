@@ -1,0 +1,41 @@
+"""Measures the peak bytes of the tensors a running step holds (each storage counted once)."""
+from __future__ import annotations
+
+import torch
+
+
+class MemoryTracker:
+    """Fed by measuring-mode generated code: `track` when a local is bound, `drop` when deleted."""
+
+    def __init__(self, baseline_bytes: int = 0):
+        self.baseline = baseline_bytes
+        self.names: dict[str, int] = {}  # local → storage key
+        self.storages: dict[int, list[int]] = {}  # storage key → [refcount, nbytes]
+        self.live = 0
+        self.peak = baseline_bytes
+
+    def track(self, name: str, value: object) -> None:
+        if name in self.names:
+            self.drop((name,))
+        if not isinstance(value, torch.Tensor):
+            return
+        storage = value.untyped_storage()
+        key = storage.data_ptr() or id(storage)
+        self.names[name] = key
+        entry = self.storages.setdefault(key, [0, storage.nbytes()])
+        if entry[0] == 0:
+            self.live += entry[1]
+        entry[0] += 1
+        self.peak = max(self.peak, self.baseline + self.live)
+
+    def drop(self, names: tuple[str, ...]) -> None:
+        for name in names:
+            key = self.names.pop(name, None)
+            if key is None:
+                continue
+            entry = self.storages[key]
+            entry[0] -= 1
+            if entry[0] == 0:
+                self.live -= entry[1]
+                del self.storages[key]
+
