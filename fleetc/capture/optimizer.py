@@ -27,12 +27,14 @@ def _check_supported(optimizer: torch.optim.Optimizer) -> str:
     return kind
 
 
+_BAKED_HYPERPARAMETERS = ("momentum", "dampening", "nesterov", "weight_decay", "maximize", "betas", "eps",
+                          "decoupled_weight_decay")
+
+
 def optimizer_signature(optimizer: torch.optim.Optimizer) -> tuple:
-    """The hyperparameters baked into the Program (everything but lr): a change means recompiling."""
-    return tuple(
-        tuple(sorted((k, repr(v)) for k, v in group.items() if k not in ("params", "lr")))
-        for group in optimizer.param_groups
-    )
+    """The hyperparameters baked into the Program as constants: a change means recompiling (lr is fed)."""
+    return tuple(tuple((k, repr(group.get(k))) for k in _BAKED_HYPERPARAMETERS) + (len(group["params"]),)
+                 for group in optimizer.param_groups)
 
 
 def _state_var(program: Program, param: Var, key: str, shape: tuple, dtype: str) -> Ref:

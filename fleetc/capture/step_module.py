@@ -27,9 +27,10 @@ def extract_loss(output: Any) -> torch.Tensor:
             "or pass loss_fn=... to fleetc.compile"
         )
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise CaptureError(
-            f"the loss must be a one-element tensor, got {type(loss).__name__} "
-            f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}"
+            f"the loss must be a one-element tensor, but it is {what}; with loss_fn=None the model itself must "
+            "return the loss, otherwise pass loss_fn=... to fleetc.compile (e.g. torch.nn.functional.cross_entropy)"
         )
     return loss.reshape(())
 

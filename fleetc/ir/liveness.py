@@ -89,22 +89,23 @@ def estimate_memory(program: Program) -> MemoryEstimate:
     feeds = sum(program.var(n).nbytes() for n in program.feeds)
     base = sum(by_kind.values()) + feeds
     dead_after = last_use_index(program, block, set(program.fetches.values()))
+    free_at: dict[int, list[str]] = {}
+    for name, i in dead_after.items():
+        free_at.setdefault(i, []).append(name)
     views = view_vars(block)
     live = 0
     peak, peak_op, peak_temp = base, "", 0
     timeline = []
     for i, op in enumerate(block.ops):
-        for j, name in enumerate(op.outputs):
-            var = program.find_var(name, block.idx) if name else None
+        for name in op.defined:
+            var = program.find_var(name, block.idx)
             if var is not None and var.kind is VarKind.TEMP and name not in views:
                 live += var.nbytes()
         if base + live > peak:
             peak, peak_op = base + live, op.name
         peak_temp = max(peak_temp, live)
         timeline.append((op.name, base + live))
-        for name in dict.fromkeys([*op.defined, *block_reads(program, op)]):
-            if dead_after.get(name) == i and name not in views:
-                live -= program.var(name, block.idx).nbytes()
+        live -= sum(program.var(n, block.idx).nbytes() for n in free_at.get(i, ()) if n not in views)
     return MemoryEstimate(peak, peak_op, by_kind, feeds, peak_temp, timeline)
 
 

@@ -9,6 +9,8 @@ from fleetc.passes.dce import drop_unused_temporaries
 
 _IDENTITY = {"aten.detach.default", "aten.alias.default", "aten.clone.default", "aten.lift_fresh_copy.default",
              "aten._to_copy.default"}
+# Fed values never change during a step, so a no-op of one can be replaced by the value itself.
+_FORWARDABLE = {VarKind.TEMP, VarKind.DATA, VarKind.HYPER}
 _RESHAPES = {"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.expand.default"}
 
 
@@ -48,7 +50,7 @@ class RemoveNoopViews:
         for i, op in enumerate(block.ops):
             src = _same_value_source(program, op, transposed_from)
             out = op.outputs[0] if op.outputs else None
-            if src is not None and program.var(src).kind is VarKind.TEMP and program.var(out).kind is VarKind.TEMP:
+            if src is not None and program.var(src).kind in _FORWARDABLE and program.var(out).kind is VarKind.TEMP:
                 a, b = root(src), root(out)
                 if not (a in fetched and b in fetched):
                     parent[b] = a
@@ -65,13 +67,17 @@ class RemoveNoopViews:
         rename = {}
         for rep, members in classes.items():
             group = [rep, *members]
-            # The surviving name is the most meaningful one: fetched, then semantic (`w@GRAD`), then the original.
-            best = next((n for n in group if n in fetched), None) or next((n for n in group if "@" in n), rep)
+            # The surviving name: a fed Var's (it cannot be renamed), else fetched, else semantic (`w@GRAD`).
+            if program.var(rep).kind is not VarKind.TEMP:
+                best = rep
+            else:
+                best = next((n for n in group if n in fetched), None) or next((n for n in group if "@" in n), rep)
             rename.update({n: best for n in group if n != best})
         block.ops = [op for i, op in enumerate(block.ops) if i not in removed]
         for op in block.ops:
             op.rename_inputs(rename)
             op.outputs = [rename.get(o, o) for o in op.outputs]
+        program.fetches = {key: rename.get(name, name) for key, name in program.fetches.items()}
         drop_unused_temporaries(program)
         report.changed = True
         return program, report

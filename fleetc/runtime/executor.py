@@ -26,8 +26,7 @@ class Executable:
     def run(self, state: dict[str, torch.Tensor], feeds: list[Any]) -> dict[str, Any]:
         tracker = None
         if self.measure_memory:
-            baseline = sum(t.untyped_storage().nbytes() for t in {id(t): t for t in state.values()}.values())
-            tracker = MemoryTracker(baseline)
+            tracker = MemoryTracker(list(state.values()))
         with torch.no_grad():
             out = self.generated.fn(state, feeds, tracker)
         if tracker is not None:

@@ -7,12 +7,18 @@ import torch
 class MemoryTracker:
     """Fed by measuring-mode generated code: `track` when a local is bound, `drop` when deleted."""
 
-    def __init__(self, baseline_bytes: int = 0):
-        self.baseline = baseline_bytes
+    def __init__(self, persistent: list[torch.Tensor]):
+        """`persistent`: tensors held all step (state); views of them add no bytes."""
+        self.persistent = {self._key(t.untyped_storage()): t.untyped_storage().nbytes() for t in persistent}
+        self.baseline = sum(self.persistent.values())
         self.names: dict[str, int] = {}  # local → storage key
         self.storages: dict[int, list[int]] = {}  # storage key → [refcount, nbytes]
         self.live = 0
-        self.peak = baseline_bytes
+        self.peak = self.baseline
+
+    @staticmethod
+    def _key(storage: torch.UntypedStorage) -> int:
+        return storage.data_ptr() or id(storage)
 
     def track(self, name: str, value: object) -> None:
         if name in self.names:
@@ -20,7 +26,9 @@ class MemoryTracker:
         if not isinstance(value, torch.Tensor):
             return
         storage = value.untyped_storage()
-        key = storage.data_ptr() or id(storage)
+        key = self._key(storage)
+        if key in self.persistent:
+            return
         self.names[name] = key
         entry = self.storages.setdefault(key, [0, storage.nbytes()])
         if entry[0] == 0:

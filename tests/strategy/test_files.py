@@ -1,0 +1,329 @@
+"""Saving and loading strategies: prototxt (Paddle's layout), JSON, dicts, atomic writes, format choice."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from fleetc.errors import StrategyError
+from fleetc.strategy import (BuildStrategy, DistributedStrategy, ExecutionStrategy, load_strategy_file,
+                             resolve_strategy)
+from fleetc.strategy import atomic
+from fleetc.strategy.textformat import parse
+
+from .fieldcases import FIELDS, PATHS, good_value, set_path
+
+
+def everything_changed() -> DistributedStrategy:
+    strategy = DistributedStrategy()
+    for path in PATHS:
+        set_path(strategy, path, good_value(FIELDS[path]))
+    return strategy
+
+
+def test_every_field_round_trips_through_prototxt(tmp_path):
+    strategy = everything_changed()
+    path = tmp_path / "all.prototxt"
+    strategy.save_to_prototxt(path)
+    loaded = DistributedStrategy()
+    loaded.load_from_prototxt(path)
+    assert loaded == strategy
+    assert loaded.to_dict() == strategy.to_dict()
+
+
+def test_every_field_round_trips_through_dict_and_json():
+    strategy = everything_changed()
+    assert DistributedStrategy.from_dict(strategy.to_dict()) == strategy
+    assert DistributedStrategy.from_json(strategy.to_json()) == strategy
+
+
+def test_only_set_json_keeps_which_fields_were_set():
+    strategy = DistributedStrategy()
+    strategy.a_sync = True
+    strategy.gradient_merge_configs = {"k_steps": 4}
+    text = strategy.to_json(only_set=True)
+    assert "fuse_all_reduce_ops" not in text
+    loaded = DistributedStrategy.from_json(text)
+    assert resolve_strategy(loaded).explicit_fields == {"a_sync", "gradient_merge_configs.k_steps"}
+
+
+def test_prototxt_layout_matches_paddle(tmp_path):
+    strategy = DistributedStrategy()
+    strategy.gradient_merge = True
+    strategy.gradient_merge_configs = {"k_steps": 4, "avg": True}
+    strategy.recompute_configs = {"checkpoints": ["x", 'say "hi"\n']}
+    strategy.pipeline_configs = {"schedule_mode": "FThenB"}
+    strategy.build_strategy.fuse_bn_act_ops = True
+    path = tmp_path / "s.prototxt"
+    strategy.save_to_prototxt(path)
+    assert path.read_text() == (
+        'recompute_configs {\n  checkpoints: "x"\n  checkpoints: "say \\"hi\\"\\n"\n}\n'
+        "gradient_merge: true\n"
+        "gradient_merge_configs {\n  k_steps: 4\n  avg: true\n}\n"
+        'pipeline_configs {\n  schedule_mode: "FThenB"\n}\n'
+        "build_strategy {\n  fuse_bn_act_ops: true\n}\n"
+    )
+
+
+def test_fields_set_to_their_default_are_still_written(tmp_path):
+    strategy = DistributedStrategy()
+    strategy.execution_strategy.num_iteration_per_run = 1
+    path = tmp_path / "s.prototxt"
+    strategy.save_to_prototxt(path)
+    assert path.read_text() == "execution_strategy {\n  num_iteration_per_run: 1\n}\n"
+
+
+def test_collective_training_guide_example(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    dist_strategy = DistributedStrategy()
+    dist_strategy.sync_nccl_allreduce = True
+    dist_strategy.nccl_comm_num = 2
+    dist_strategy.fuse_all_reduce_ops = True
+    build_strategy = BuildStrategy()
+    build_strategy.enable_sequential_execution = True
+    build_strategy.fuse_elewise_add_act_ops = True
+    build_strategy.fuse_bn_act_ops = True
+    build_strategy.enable_auto_fusion = True
+    build_strategy.fuse_all_optimizer_ops = True
+    dist_strategy.build_strategy = build_strategy
+    execution_strategy = ExecutionStrategy()
+    execution_strategy.num_threads = 3
+    execution_strategy.num_iteration_per_drop_scope = 100
+    execution_strategy.num_iteration_per_run = 1
+    dist_strategy.execution_strategy = execution_strategy
+    dist_strategy.amp = True
+    dist_strategy.amp_configs = {
+        "init_loss_scaling": 128, "decr_every_n_nan_or_inf": 2, "incr_every_n_steps": 1000, "incr_ratio": 2.0,
+        "use_dynamic_loss_scaling": True, "decr_ratio": 0.5, "custom_white_list": [], "custom_black_list": [],
+    }
+    dist_strategy.save_to_prototxt("dist_strategy.prototxt")
+
+    text = (tmp_path / "dist_strategy.prototxt").read_text()
+    assert "nccl_comm_num: 2\n" in text
+    assert "  init_loss_scaling: 128.0\n" in text
+    assert "  num_iteration_per_run: 1\n" in text
+    assert "fuse_bn_add_act_ops" not in text  # not set, still at its default
+    loaded = DistributedStrategy()
+    loaded.load_from_prototxt("dist_strategy.prototxt")
+    assert loaded == dist_strategy
+    assert loaded.build_strategy.enable_auto_fusion is True
+    assert loaded.execution_strategy.num_iteration_per_drop_scope == 100
+    assert loaded.amp_configs["decr_ratio"] == 0.5
+
+
+PADDLE_STYLE = """\
+# written by hand, Paddle style
+amp: true
+recompute: true
+recompute_configs {
+  checkpoints: "fc_0.tmp_0"
+  checkpoints: "fc_1.tmp_0"
+}
+amp_configs {
+  init_loss_scaling: 1024
+  custom_white_list: "softmax"
+  custom_black_list: ["tanh", "exp"]
+  use_pure_fp16: false;
+}
+pipeline_configs < micro_batch: 4, schedule_mode: FThenB >
+sharding_configs: { stage: 2 sharding_degree: 4 segment_broadcast_MB: 1e1 }
+build_strategy {
+  enable_sequential_execution: True
+  fuse_all_optimizer_ops: t
+}
+execution_strategy { num_threads: 3 }
+nccl_comm_num: 2
+"""
+
+
+def test_hand_written_paddle_prototxt_loads(tmp_path):
+    path = tmp_path / "paddle.prototxt"
+    path.write_text(PADDLE_STYLE)
+    strategy = DistributedStrategy()
+    strategy.load_from_prototxt(path)
+    expected = DistributedStrategy()
+    expected.amp = True
+    expected.recompute = True
+    expected.recompute_configs = {"checkpoints": ["fc_0.tmp_0", "fc_1.tmp_0"]}
+    expected.amp_configs = {"init_loss_scaling": 1024.0, "custom_white_list": ["softmax"],
+                            "custom_black_list": ["tanh", "exp"], "use_pure_fp16": False}
+    expected.pipeline_configs = {"micro_batch_size": 4, "schedule_mode": "FThenB"}
+    expected.sharding_configs = {"stage": 2, "sharding_degree": 4, "segment_broadcast_MB": 10.0}
+    expected.build_strategy = {"enable_sequential_execution": True, "fuse_all_optimizer_ops": True}
+    expected.execution_strategy.num_threads = 3
+    expected.nccl_comm_num = 2
+    assert strategy == expected
+
+
+def test_load_merges_into_current_values(tmp_path):
+    path = tmp_path / "part.prototxt"
+    path.write_text('gradient_merge_configs { k_steps: 8 }\namp_configs { custom_white_list: "b" }\n')
+    strategy = DistributedStrategy()
+    strategy.amp = True
+    strategy.gradient_merge_configs = {"avg": False}
+    strategy.amp_configs = {"custom_white_list": ["a"], "incr_ratio": 4}
+    strategy.load_from_prototxt(path)
+    assert strategy.amp is True
+    assert strategy.gradient_merge_configs == {"k_steps": 8, "avg": False}
+    assert strategy.amp_configs["custom_white_list"] == ["b"]  # a repeated field in the file replaces the list
+    assert strategy.amp_configs["incr_ratio"] == 4.0
+
+
+@pytest.mark.parametrize(("text", "line", "message"), [
+    ("amp: true\ngradient_merge_configs {\n  k_step: 4\n}\n", 3, "did you mean 'k_steps'"),
+    ("amp: yes\n", 1, "true or false"),
+    ("amp: true\nnccl_comm_num: 0\n", 2, ">= 1"),
+    ("nccl_comm_num: 2.5\n", 1, "expects int"),
+    ("gradient_merge_configs {\n  k_steps: 2\n", 3, "missing '}'"),
+    ('amp: true\namp_configs { custom_white_list: "open }\n', 2, "unexpected character"),
+    ("amp: true\n\namp: false\n", 3, "given twice"),
+    ("amp_configs: 3\n", 1, "is a section"),
+    ("amp { }\n", 1, "takes a value"),
+    ("amp_configs { incr_ratio { } }\n", 1, "takes a value"),
+    ('pipeline_configs {\n schedule_mode: "1f1b"\n}\n', 2, "did you mean '1F1B'"),
+    ("amp_configs {\n custom_white_list: softmax\n}\n", 2, "expects a list of str, got the bare word softmax"),
+    ('recompute_configs { checkpoints: "a\\q" }\n', 1, "invalid escape"),
+    ("amp: true\n@\n", 2, "unexpected character '@'"),
+    ("amp true\n", 1, "expected ':' or '{'"),
+    ("amp: true\nfoo_bar: 1\n", 2, "unknown DistributedStrategy field 'foo_bar'"),
+    ("amp:\n", 2, "expected a value"),
+    ('recompute_configs { checkpoints: ["a" 3] }\n', 1, "expected ',' or ']'"),
+])
+def test_malformed_file_fails_with_line_and_changes_nothing(tmp_path, text, line, message):
+    path = tmp_path / "bad.prototxt"
+    path.write_text(text)
+    strategy = DistributedStrategy()
+    strategy.nccl_comm_num = 3
+    before = strategy.to_dict()
+    with pytest.raises(StrategyError) as info:
+        strategy.load_from_prototxt(path)
+    assert f"{path}:{line}:" in str(info.value)
+    assert message in str(info.value)
+    assert strategy.to_dict() == before
+
+
+def test_text_format_strings_escapes_and_lists():
+    entries = parse('a: "x\\ty" \'z\' b: ["\\101\\x42\\u00e9", "\\303\\251"] c: -1.5e2 d: 7 e: [] # done', "<t>")
+    assert [(e.name, e.value) for e in entries] == [
+        ("a", "x\tyz"), ("b", "ABé"), ("b", "é"), ("c", -150.0), ("d", 7)]
+    assert isinstance(entries[-1].value, int)
+
+
+def test_non_ascii_and_control_characters_round_trip(tmp_path):
+    strategy = DistributedStrategy()
+    names = ["编码器.层", "tab\there", "bell\a", "back\\slash"]
+    strategy.recompute_configs = {"checkpoints": names}
+    path = tmp_path / "u.prototxt"
+    strategy.save_to_prototxt(path)
+    loaded = DistributedStrategy()
+    loaded.load_from_prototxt(path)
+    assert loaded.recompute_configs["checkpoints"] == names
+
+
+def test_checkpoints_auto_round_trips(tmp_path):
+    strategy = DistributedStrategy()
+    strategy.recompute_configs = {"checkpoints": "auto", "memory_budget_mb": 512}
+    path = tmp_path / "auto.prototxt"
+    strategy.save_to_prototxt(path)
+    assert 'checkpoints: "auto"' in path.read_text()
+    loaded = DistributedStrategy()
+    loaded.load_from_prototxt(path)
+    assert loaded.recompute_configs["checkpoints"] == "auto"
+    assert loaded.recompute_configs["memory_budget_mb"] == 512.0
+
+
+def _old_file(tmp_path):
+    path = tmp_path / "s.prototxt"
+    path.write_text("amp: true\n")
+    strategy = DistributedStrategy()
+    strategy.gradient_merge = True
+    return path, strategy
+
+
+def test_failed_write_leaves_old_file_and_no_temporary(tmp_path, monkeypatch):
+    path, strategy = _old_file(tmp_path)
+
+    def failing_fsync(descriptor):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(atomic.os, "fsync", failing_fsync)
+    with pytest.raises(OSError, match="disk gone"):
+        strategy.save_to_prototxt(path)
+    assert path.read_text() == "amp: true\n"
+    assert os.listdir(tmp_path) == ["s.prototxt"]
+
+
+def test_write_failing_midway_leaves_old_file(tmp_path, monkeypatch):
+    path, strategy = _old_file(tmp_path)
+    real_fdopen = os.fdopen
+
+    class HalfWriter:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.handle.close()
+
+        def write(self, text):
+            self.handle.write(text[: len(text) // 2])
+            self.handle.flush()
+            raise OSError("no space left")
+
+    monkeypatch.setattr(atomic.os, "fdopen", lambda *args, **kwargs: HalfWriter(real_fdopen(*args, **kwargs)))
+    with pytest.raises(OSError, match="no space left"):
+        strategy.save_to_prototxt(path)
+    assert path.read_text() == "amp: true\n"
+    assert os.listdir(tmp_path) == ["s.prototxt"]
+
+
+def test_failed_rename_leaves_old_file(tmp_path, monkeypatch):
+    path, strategy = _old_file(tmp_path)
+
+    def failing_replace(source, target):
+        raise OSError("rename refused")
+
+    monkeypatch.setattr(atomic.os, "replace", failing_replace)
+    with pytest.raises(OSError, match="rename refused"):
+        strategy.save_to_prototxt(path)
+    assert path.read_text() == "amp: true\n"
+    assert os.listdir(tmp_path) == ["s.prototxt"]
+
+
+def test_successful_write_replaces_the_file(tmp_path):
+    path, strategy = _old_file(tmp_path)
+    strategy.save_to_prototxt(path)
+    assert path.read_text() == "gradient_merge: true\n"
+    assert os.listdir(tmp_path) == ["s.prototxt"]
+
+
+@pytest.mark.parametrize(("name", "content"), [
+    ("s.json", '{"gradient_merge": true, "gradient_merge_configs": {"k_steps": 4}}'),
+    ("s.prototxt", "gradient_merge: true\ngradient_merge_configs { k_steps: 4 }\n"),
+    ("strategy.cfg", '\n  {"gradient_merge": true, "gradient_merge_configs": {"k_steps": 4}}'),
+    ("strategy.cfg", "# prototxt without the extension\ngradient_merge: true\n"
+                     "gradient_merge_configs { k_steps: 4 }\n"),
+])
+def test_load_strategy_file_picks_the_format(tmp_path, name, content):
+    path = tmp_path / name
+    path.write_text(content)
+    strategy = load_strategy_file(path)
+    assert strategy.gradient_merge is True
+    assert strategy.gradient_merge_configs["k_steps"] == 4
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ('{"gradient_merge": true,\n "gradient_merge_configs": {"k_steps": 0}}', "k_steps must be >= 1"),
+    ('{"gradient_merge": true,\n "gradient_merge_configs": {"k_steps": 4}', "invalid JSON at line 2"),
+    ('{"gradient_merg": true}', "did you mean 'gradient_merge'"),
+])
+def test_bad_json_file_names_the_file(tmp_path, content, message):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(StrategyError) as info:
+        load_strategy_file(path)
+    assert str(path) in str(info.value)
+    assert message in str(info.value)
