@@ -37,12 +37,10 @@ def _strip_model_prefix(path: str) -> str:
     return path
 
 
-def _module_path(node: torch.fx.Node, backward: bool, wrapped: bool) -> str:
+def _raw_module_path(node: torch.fx.Node, backward: bool) -> str | None:
+    """The innermost module path the node was traced in, as torch recorded it (None: outside any module)."""
     stack = node.meta.get("fwd_nn_module_stack" if backward else "nn_module_stack") or {}
-    if not stack:
-        return ""
-    path = list(stack.values())[-1][0]
-    return _strip_model_prefix(path) if wrapped else path
+    return list(stack.values())[-1][0] if stack else None
 
 
 def _var_from_value(name: str, value: Any, kind: VarKind) -> Var:
@@ -109,9 +107,11 @@ class _Converter:
 
     def attrs(self, node: torch.fx.Node) -> dict:
         backward = node.meta.get("partitioner_tag") == "is_backward"
-        path = _module_path(node, backward, self.wrapped)
+        raw = _raw_module_path(node, backward) or ""
+        path = _strip_model_prefix(raw) if self.wrapped else raw
         role = OpRole.BACKWARD if backward else OpRole.FORWARD
-        if not backward and self.loss_ops and not path:
+        in_model = raw == MODEL_ATTR or raw.startswith(MODEL_ATTR + ".")
+        if not backward and self.loss_ops and not in_model:
             role |= OpRole.LOSS
         attrs = {"op_role": int(role), "module_path": path}
         seq_nr = node.meta.get("seq_nr")

@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch.utils._pytree import TreeSpec
 
 from fleetc.errors import CaptureError
@@ -88,6 +87,9 @@ def trace_step(module: nn.Module, args: tuple, kwargs: dict[str, Any], *,
 
     Placeholders and the output node carry AOTAutograd descriptors in `meta["desc"]`.
     """
+    # Imported here: it pulls in torch._dynamo (seconds), which `import fleetc` and the CLI's --help need not pay.
+    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+
     grad_mode = contextlib.nullcontext() if train else torch.no_grad()
     try:
         with torch.fx.traceback.preserve_node_meta(), grad_mode:

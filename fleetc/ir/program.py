@@ -219,6 +219,16 @@ class Program:
     def num_ops(self) -> int:
         return sum(len(b.ops) for b in self.blocks)
 
+    def repoint_forward_ops(self, replacements: dict[str, str | None]) -> None:
+        """After removing ops: backward ops that named a removed forward op name its replacement (or none)."""
+        for _, op in self.walk_ops():
+            target = op.attrs.get("forward_op")
+            if target in replacements:
+                if replacements[target] is None:
+                    del op.attrs["forward_op"]
+                else:
+                    op.attrs["forward_op"] = replacements[target]
+
     def clone(self) -> "Program":
         return copy.deepcopy(self)
 

@@ -149,8 +149,8 @@ def from_dict(data: dict) -> Program:
     return Program(blocks, list(data["feeds"]), dict(data["fetches"]), decode_value(data["metadata"]))
 
 
-def program_to_json(program: Program, indent: int | None = 1) -> str:
-    """Deterministic JSON text of a Program."""
+def program_to_json(program: Program, indent: int | None = None) -> str:
+    """Deterministic JSON text of a Program (one line unless `indent` is given)."""
     return json.dumps(to_dict(program), indent=indent, allow_nan=False)
 
 

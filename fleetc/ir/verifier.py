@@ -80,6 +80,14 @@ def verify(program: Program, *, after_pass: str | None = None, check_shapes: boo
         var = program.find_var(name)
         if var is None or var.kind not in FED_KINDS:
             raise VerificationError(f"feed {name!r} is not a data/hyper Var ({'after pass ' + after_pass if after_pass else ''})")
+    op_names = [op.name for _, op in program.walk_ops()]
+    if len(set(op_names)) != len(op_names):
+        duplicated = sorted({n for n in op_names if op_names.count(n) > 1})
+        raise VerificationError(f"op names are not unique: {duplicated}" + (f" after pass {after_pass!r}" if after_pass else ""))
+    for block in program.blocks:
+        for i, op in enumerate(block.ops):
+            if op.attrs.get("forward_op", op.name) not in op_names:
+                raise _fail(program, block, i, f"forward_op {op.attrs['forward_op']!r} names no op", after_pass)
     checker = _ShapeChecker(program) if check_shapes else None
     definer: dict[str, str] = {}
     _verify_block(program, program.global_block, set(always_defined), definer, checker, after_pass, set())

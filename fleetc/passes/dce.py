@@ -25,15 +25,16 @@ def eliminate_dead_ops(program: Program, block: Block, keep: set[str]) -> int:
     """Remove dead ops from one block (one backward sweep); returns how many were removed."""
     needed = set(keep)
     kept: list[Op] = []
-    removed = 0
+    removed: list[str] = []
     for op in reversed(block.ops):
         if has_side_effect(program, block, op) or any(n in needed for n in op.defined):
             needed.update(block_reads(program, op))
             kept.append(op)
         else:
-            removed += 1
+            removed.append(op.name)
     block.ops = kept[::-1]
-    return removed
+    program.repoint_forward_ops(dict.fromkeys(removed))
+    return len(removed)
 
 
 def drop_unused_temporaries(program: Program) -> int:

@@ -73,10 +73,14 @@ class RemoveNoopViews:
             else:
                 best = next((n for n in group if n in fetched), None) or next((n for n in group if "@" in n), rep)
             rename.update({n: best for n in group if n != best})
+        removed_ops = [op for i, op in enumerate(block.ops) if i in removed]
         block.ops = [op for i, op in enumerate(block.ops) if i not in removed]
         for op in block.ops:
             op.rename_inputs(rename)
             op.outputs = [rename.get(o, o) for o in op.outputs]
+        definer = {name: op.name for op in block.ops for name in op.defined}
+        program.repoint_forward_ops({op.name: definer.get(rename.get(op.outputs[0], op.outputs[0]))
+                                     for op in removed_ops})
         program.fetches = {key: rename.get(name, name) for key, name in program.fetches.items()}
         drop_unused_temporaries(program)
         report.changed = True

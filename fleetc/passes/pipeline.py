@@ -60,7 +60,20 @@ def _lookup(config: Any, dotted: str) -> Any:
     return value
 
 
+# Execution settings the sequential runtime cannot honour yet: (dotted field, default, what happens instead).
+_EXECUTION = (
+    ("execution_strategy.num_threads", 1, "ops run on one thread (the multi-threaded scheduler is not built yet)"),
+    ("execution_strategy.num_iteration_per_run", 1, "each step() runs exactly one iteration"),
+    ("execution_strategy.num_iteration_per_drop_scope", 10,
+     "temporaries are freed right after their last use in every iteration, so there is no scope to drop"),
+    ("execution_strategy.use_thread_barrier", False, "ops run on one thread, so there is nothing to synchronise"),
+)
+
+
 def strategy_requests_without_pass(config: Any) -> dict[str, str]:
-    """Fields switched on in `config` that no pass in this version implements → why nothing changed."""
-    return {field: f"not applied: {what} is not implemented in this version of fleetc"
-            for field, what in _PENDING if _lookup(config, field) is True}
+    """Fields set in `config` that this version does not act on → why nothing changed."""
+    notes = {field: f"not applied: {what} is not implemented in this version of fleetc"
+             for field, what in _PENDING if _lookup(config, field) is True}
+    notes.update({field: f"not applied: {why}" for field, default, why in _EXECUTION
+                  if _lookup(config, field) != default})
+    return notes

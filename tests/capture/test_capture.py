@@ -38,6 +38,9 @@ def test_ops_carry_role_module_path_source_and_forward_op():
     assert all(op.attrs["forward_op"] in names for op in backward)
     loss_ops = [op for op in ops if OpRole.LOSS in op.role]
     assert any(op.type == "aten.nll_loss_forward.default" for op in loss_ops)
+    # relu runs in MLP.forward itself (module path ""), which is the model's, not the loss function's.
+    relus = [op for op in ops if op.type == "aten.relu.default"]
+    assert relus and all(OpRole(op.role) is OpRole.FORWARD for op in relus)
     assert [OpRole(op.role) for op in ops if OpRole.OPTIMIZE in op.role] == [OpRole.OPTIMIZE] * 6
     assert program.fetches == {"loss": "loss"}
     assert "fc1.weight@GRAD" in program.global_block.vars

@@ -123,3 +123,10 @@ def test_verify_instrument_names_the_pass_that_broke_the_program(monkeypatch):
     trainer = fleetc.compile(MLP(), loss_fn=F.cross_entropy, verify=True)
     with pytest.raises(fleetc.VerificationError, match="after pass 'breaks_things'"):
         trainer.step(torch.randn(4, 32), torch.randint(0, 10, (4,)))
+
+
+def test_forward_op_must_name_an_existing_op(program):
+    backward = next(op for op in program.global_block.ops if op.attrs.get("forward_op"))
+    backward.attrs["forward_op"] = "removed_long_ago"
+    with pytest.raises(fleetc.VerificationError, match="forward_op 'removed_long_ago' names no op"):
+        verify(program)

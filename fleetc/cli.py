@@ -1,0 +1,242 @@
+"""The `fleetc` command line: `fleetc dump-ir` prints a model's Program after any compiler pass."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+import fleetc
+from fleetc.errors import FleetcError
+from fleetc.ir.liveness import MemoryEstimate
+from fleetc.ir.serialize import program_to_json, to_dict
+from fleetc.passes.manager import History, PassRecord
+from fleetc.passes.pipeline import all_pass_names
+from fleetc.strategy import load_strategy_file
+from fleetc.strategy.atomic import write_atomically
+from fleetc.strategy.names import closest
+
+FACTORY_KEYS = ("model", "args", "kwargs", "loss_fn", "optimizer", "strategy")
+
+_DUMP_IR_DESCRIPTION = """\
+Compile a model's training step and print its Program after a compiler pass.
+
+FACTORY is `package.module:function` (imported with the current directory on sys.path): a
+zero-argument callable returning a dict with
+  model      the nn.Module (required)
+  args       example positional arguments of one step, a tuple or list (required)
+  kwargs     example keyword arguments (optional)
+  loss_fn    loss_fn(output, args[-1]); leave it out when the model returns its loss
+  optimizer  a torch.optim optimizer; when the key is absent, SGD(lr=0.01) is used so the
+             optimize section shows; None compiles without an optimizer
+  strategy   any fleetc strategy object (optional; --strategy overrides it)
+
+dump-ir runs one real training step on the factory's objects: the model's parameters and the
+optimizer's state are updated once.
+"""
+
+
+class CommandError(Exception):
+    """A problem with the command's inputs: reported as one line, exit status 2."""
+
+
+@dataclass
+class StepSpec:
+    """What a factory returned: the objects to compile and the example inputs of one step."""
+
+    model: nn.Module
+    args: tuple
+    kwargs: dict
+    loss_fn: Callable | None
+    optimizer: torch.optim.Optimizer | None
+    strategy: Any
+
+
+def _hint(name: str, candidates: Sequence[str]) -> str:
+    match = closest(name, candidates)
+    return f"; did you mean {match!r}?" if match else ""
+
+
+def _import_factory(spec: str) -> Callable:
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise CommandError(f"factory {spec!r} must look like 'package.module:function'")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` does, so a model file beside the user is found
+    try:
+        target = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise CommandError(f"cannot import module {module_name!r}: {exc}") from None
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            public = [n for n in dir(target) if not n.startswith("_")]
+            raise CommandError(f"{module_name!r} has no attribute {attr!r}{_hint(part, public)}")
+        target = getattr(target, part)
+    if not callable(target):
+        raise CommandError(f"{spec!r} is not a callable factory (it is a {type(target).__name__})")
+    return target
+
+
+def _step_spec(result: Any, spec: str) -> StepSpec:
+    if not isinstance(result, Mapping):
+        raise CommandError(f"factory {spec!r} returned {type(result).__name__}; "
+                           "expected a dict with 'model' and 'args'")
+    unknown = [k for k in result if k not in FACTORY_KEYS]
+    if unknown:
+        key = str(unknown[0])
+        raise CommandError(f"factory {spec!r} returned unknown key {key!r}{_hint(key, FACTORY_KEYS)} "
+                           f"(keys: {', '.join(FACTORY_KEYS)})")
+    missing = [k for k in ("model", "args") if k not in result]
+    if missing:
+        raise CommandError(f"factory {spec!r} returned no {' or '.join(map(repr, missing))}")
+    model, args, kwargs = result["model"], result["args"], result.get("kwargs") or {}
+    if not isinstance(model, nn.Module):
+        raise CommandError(f"factory {spec!r}: 'model' is a {type(model).__name__}, not an nn.Module")
+    if not isinstance(args, (tuple, list)):
+        raise CommandError(f"factory {spec!r}: 'args' is a {type(args).__name__}, not a tuple or list")
+    if not isinstance(kwargs, Mapping):
+        raise CommandError(f"factory {spec!r}: 'kwargs' is a {type(kwargs).__name__}, not a dict")
+    optimizer = result["optimizer"] if "optimizer" in result else torch.optim.SGD(model.parameters(), lr=0.01)
+    return StepSpec(model, tuple(args), dict(kwargs), result.get("loss_fn"), optimizer, result.get("strategy"))
+
+
+def _load_strategy(path: str) -> Any:
+    try:
+        return load_strategy_file(path)
+    except (OSError, UnicodeDecodeError, FleetcError) as exc:
+        raise CommandError(f"cannot load strategy file {path!r}: {exc}") from None
+
+
+def _check_options(options: argparse.Namespace) -> None:
+    """Misspelt pass names and option clashes fail before the (slow) compile."""
+    passes = all_pass_names()
+    for name in options.disable_pass:
+        if name not in passes:
+            raise CommandError(f"unknown pass {name!r} for --disable-pass{_hint(name, passes)} "
+                               f"(passes: {', '.join(passes)})")
+    stages = ["capture", *passes]
+    if options.after not in (None, "all", *stages):
+        raise CommandError(f"unknown pass {options.after!r} for --after{_hint(options.after, [*stages, 'all'])} "
+                           f"(passes: {', '.join(stages)}, or all)")
+    if options.memory and options.format == "json":
+        raise CommandError("--memory applies to --format text only")
+
+
+def _single(options: argparse.Namespace) -> bool:
+    """One Program, printed bare (no timing header, so runs diff cleanly), or several under headers."""
+    return options.after != "all" and not options.after_change
+
+
+def _select(history: History, options: argparse.Namespace) -> list[PassRecord]:
+    if options.after_change:
+        return [r for r in history if r.report.changed]
+    if options.after == "all":
+        return list(history)
+    if options.after is None:
+        return [history[-1]]
+    if options.after not in history.names():
+        raise CommandError(f"pass {options.after!r} did not run under this strategy; passes that ran: "
+                           f"{', '.join(history.names())}")
+    return [history[options.after]]
+
+
+def format_memory(memory: MemoryEstimate) -> str:
+    """Estimated live bytes after each op of the global block, then the peak, as comment lines."""
+    width = max((len(name) for name, _ in memory.live_after_op), default=0)
+    lines = ["# estimated live bytes after each op (persistables and feeds included):"]
+    lines += [f"#   {name:<{width}}  {live}" for name, live in memory.live_after_op]
+    lines.append(f"# peak: {memory.peak_bytes} bytes ({memory.peak_bytes / 2**20:.2f} MiB) "
+                 f"after op {memory.peak_op or '-'}")
+    return "\n".join(lines)
+
+
+def _render_text(history: History, records: list[PassRecord], options: argparse.Namespace) -> str:
+    chunks = []
+    for record in records:
+        chunks.append(str(record.program) if _single(options) else str(record))
+        if options.memory:
+            chunks.append(format_memory(record.memory))
+        if options.after_change and (diff := history.diff(record.name)):
+            chunks.append(diff.rstrip("\n"))
+    return "\n".join(chunks) + "\n"
+
+
+def _render_json(records: list[PassRecord], options: argparse.Namespace) -> str:
+    if _single(options):
+        return program_to_json(records[0].program) + "\n"
+    return json.dumps([{"pass": r.name, "program": to_dict(r.program)} for r in records]) + "\n"
+
+
+def dump_ir(options: argparse.Namespace) -> int:
+    """Compile the factory's model (running one training step) and print the selected Programs."""
+    _check_options(options)
+    spec = _step_spec(_import_factory(options.factory)(), options.factory)
+    strategy = _load_strategy(options.strategy) if options.strategy else spec.strategy
+    trainer = fleetc.compile(spec.model, strategy, optimizer=spec.optimizer, loss_fn=spec.loss_fn,
+                             verify=options.verify, disable_passes=options.disable_pass)
+    trainer.step(*spec.args, **spec.kwargs)
+    records = _select(trainer.history, options)
+    if options.format == "json":
+        text = _render_json(records, options)
+    else:
+        text = _render_text(trainer.history, records, options)
+    if options.out is None:
+        sys.stdout.write(text)
+        return 0
+    try:
+        write_atomically(options.out, text)
+    except OSError as exc:
+        raise CommandError(f"cannot write {options.out!r}: {exc}") from None
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `fleetc` parser; each subcommand stores its handler in `handler`."""
+    parser = argparse.ArgumentParser(prog="fleetc", description="fleetc: a graph compiler for PyTorch training.",
+                                     epilog="Run `fleetc COMMAND --help` for the options of a command.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    dump = commands.add_parser("dump-ir", help="print a model's Program after a compiler pass",
+                               description=_DUMP_IR_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    dump.set_defaults(handler=dump_ir)
+    dump.add_argument("factory", metavar="FACTORY", help="package.module:function returning the model and inputs")
+    dump.add_argument("--strategy", metavar="FILE",
+                      help="a DistributedStrategy as .json or .prototxt; overrides the factory's strategy")
+    which = dump.add_mutually_exclusive_group()
+    which.add_argument("--after", metavar="PASS",
+                       help="print the Program after PASS ('capture' or a pass name), or after every pass "
+                            "with 'all', each under its provenance header (default: after the last pass)")
+    which.add_argument("--after-change", action="store_true",
+                       help="print only the passes that changed the Program, each with a diff against the one before")
+    dump.add_argument("--format", choices=("text", "json"), default="text",
+                      help="text (the readable listing) or json (the exact round-trippable form); default text")
+    dump.add_argument("--out", metavar="PATH", help="write to PATH (atomically) instead of standard output")
+    dump.add_argument("--disable-pass", metavar="NAME", action="append", default=[],
+                      help="skip the pass NAME (repeatable); passes: " + ", ".join(all_pass_names()))
+    dump.add_argument("--memory", action="store_true",
+                      help="after each Program, list the estimated live bytes after every op and the peak")
+    dump.add_argument("--verify", action="store_true", help="run the IR verifier after every pass")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the `fleetc` command line; returns the exit status (2: bad input, 1: compile failed)."""
+    parser = build_parser()
+    options = parser.parse_args(argv)
+    if options.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return options.handler(options)
+    except CommandError as exc:
+        print(f"fleetc {options.command}: error: {' '.join(str(exc).splitlines())}", file=sys.stderr)
+        return 2
+    except FleetcError as exc:
+        print(f"fleetc {options.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1

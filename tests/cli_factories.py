@@ -1,0 +1,48 @@
+"""Factories that `tests/test_cli.py` hands to `fleetc dump-ir` as `cli_factories:<name>`."""
+from __future__ import annotations
+
+import torch
+from zoo import ZOO
+
+import fleetc
+
+
+def _mlp_step() -> dict:
+    entry = ZOO["mlp"]
+    torch.manual_seed(0)
+    args, _ = entry.make_batch(torch.Generator().manual_seed(1))
+    return {"model": entry.make_model(), "args": args, "loss_fn": entry.loss_fn}
+
+
+def mlp() -> dict:
+    """The zoo MLP with cross-entropy; no optimizer, so dump-ir supplies SGD."""
+    return _mlp_step()
+
+
+def mlp_with_strategy() -> dict:
+    """Carries its own strategy (amp on), which `--strategy FILE` must override."""
+    strategy = fleetc.DistributedStrategy()
+    strategy.amp = True
+    return {**_mlp_step(), "strategy": strategy}
+
+
+def unsupported_optimizer() -> dict:
+    """Compiling fails with a FleetcError (UnsupportedOptimizerError)."""
+    spec = _mlp_step()
+    return {**spec, "optimizer": torch.optim.RMSprop(spec["model"].parameters())}
+
+
+def misspelt_key() -> dict:
+    spec = _mlp_step()
+    return {**spec, "optimiser": torch.optim.SGD(spec["model"].parameters(), lr=0.1)}
+
+
+def returns_list() -> list:
+    return [_mlp_step()]
+
+
+def missing_args() -> dict:
+    return {"model": _mlp_step()["model"]}
+
+
+not_callable = 42
