@@ -18,6 +18,7 @@ from fleetc.passes.base import PassReport
 from fleetc.passes.instruments import PassInstrument, PrintInstrument, VerifyInstrument
 from fleetc.passes.manager import History, PassManager, PassRecord
 from fleetc.passes.pipeline import all_pass_names, build_pipeline, strategy_requests_without_pass
+from fleetc.passes.recompute import RecomputePolicy
 from fleetc.report import CompileReport
 from fleetc.runtime.executor import Executable
 from fleetc.runtime.state import StateBinding
@@ -52,8 +53,10 @@ class CompiledTrainer:
 
     def __init__(self, model: nn.Module, strategy: Any = None, *, optimizer: torch.optim.Optimizer | None = None,
                  loss_fn: Callable | None = None, measure_memory: bool = False, verify: bool = False,
-                 disable_passes: Iterable[str] = (), print_after: str | None = None):
+                 disable_passes: Iterable[str] = (), print_after: str | None = None,
+                 recompute_policy: RecomputePolicy | None = None):
         self.model = model
+        self.recompute_policy = recompute_policy
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.measure_memory = measure_memory
@@ -85,11 +88,13 @@ class CompiledTrainer:
             verify(program, after_pass="capture")
         capture_report = PassReport("capture", changed=True, stats={"ops": program.num_ops()})
         history = History([PassRecord("capture", program, capture_report, capture_seconds, estimate_memory(program))])
-        manager = PassManager(build_pipeline(self.config), self._instruments(), self.disable_passes)
+        manager = PassManager(build_pipeline(self.config, self.recompute_policy), self._instruments(), self.disable_passes)
         final = manager.run(program, self.config, history)
         report = CompileReport(decisions=list(self.decisions), ops_before=program.num_ops(), ops_after=final.num_ops())
         for record in history[1:]:
             report.stats[record.name] = dict(record.report.stats)
+            if record.report.notes:
+                report.notes[record.name] = list(record.report.notes)
             if record.report.changed:
                 report.applied.append(record.name)
             elif record.report.skipped_reason:
@@ -216,12 +221,14 @@ class CompiledTrainer:
 
 def compile(model: nn.Module, strategy: Any = None, *, optimizer: torch.optim.Optimizer | None = None,
             loss_fn: Callable | None = None, measure_memory: bool = False, verify: bool = False,
-            disable_passes: Iterable[str] = (), print_after: str | None = None) -> CompiledTrainer:
+            disable_passes: Iterable[str] = (), print_after: str | None = None,
+            recompute_policy: RecomputePolicy | None = None) -> CompiledTrainer:
     """Compile `model`'s training step under `strategy` (any fleetc strategy object, or None for defaults).
 
     Compilation is lazy: the first `step(*inputs)` captures and compiles for that input signature.
     `verify=True` runs the IR verifier after every pass; `disable_passes` names passes to skip;
-    `print_after` is None, "all" or "change".
+    `print_after` is None, "all" or "change"; `recompute_policy` replaces the default RecomputePolicy.
     """
     return CompiledTrainer(model, strategy, optimizer=optimizer, loss_fn=loss_fn, measure_memory=measure_memory,
-                           verify=verify, disable_passes=disable_passes, print_after=print_after)
+                           verify=verify, disable_passes=disable_passes, print_after=print_after,
+                           recompute_policy=recompute_policy)

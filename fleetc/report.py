@@ -19,6 +19,7 @@ class CompileReport:
     compile_seconds: float = 0.0
     decisions: list[str] = field(default_factory=list)
     memory: dict[str, Any] = field(default_factory=dict)
+    notes: dict[str, list[str]] = field(default_factory=dict)  # pass → what it decided, in words
     ops_before: int = 0
     ops_after: int = 0
 
@@ -28,6 +29,7 @@ class CompileReport:
         for name in self.applied:
             stats = ", ".join(f"{k}={v}" for k, v in sorted(self.stats.get(name, {}).items()))
             lines.append(f"  {name}: {stats or 'no statistics'}")
+            lines += [f"    note: {note}" for note in self.notes.get(name, ())]
         if self.skipped:
             lines.append("skipped:")
             lines += [f"  {name}: {why}" for name, why in self.skipped.items()]

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from fleetc.errors import PassError
+from fleetc.errors import PassError, StrategyError
 from fleetc.ir.liveness import MemoryEstimate, estimate_memory
 from fleetc.ir.program import Program
 from fleetc.passes.base import Pass, PassReport
@@ -93,7 +93,7 @@ class PassManager:
             start = time.perf_counter()
             try:
                 program, report = p.run(program.clone(), config)
-            except PassError:
+            except (PassError, StrategyError):  # already name the problem; a strategy error stays catchable as one
                 raise
             except Exception as exc:
                 raise PassError(f"pass {p.name!r} failed: {type(exc).__name__}: {exc}") from exc

@@ -11,25 +11,26 @@ from typing import Any
 from fleetc.passes.base import Pass
 from fleetc.passes.dce import DeadCodeElimination
 from fleetc.passes.noop_views import RemoveNoopViews
+from fleetc.passes.recompute import Recompute, RecomputePolicy
 
 
-def build_pipeline(config: Any) -> list[Pass]:
+def build_pipeline(config: Any, recompute_policy: RecomputePolicy | None = None) -> list[Pass]:
     """The passes to run for a strategy config, in order."""
     return [
         RemoveNoopViews(),  # detach/clone/same-shape views from capture hide fusion patterns and cost calls
+        *([Recompute(recompute_policy)] if config.recompute else []),  # after view cleanup: fewer ops to re-run
         DeadCodeElimination(),  # results nobody reads (e.g. saved stats of unused outputs)
     ]
 
 
 def all_pass_names() -> list[str]:
     """Every pass name the pipeline can contain (for --disable-pass validation)."""
-    return [RemoveNoopViews.name, DeadCodeElimination.name]
+    return [RemoveNoopViews.name, Recompute.name, DeadCodeElimination.name]
 
 
 # Strategy switches whose rewrite is not built yet: (dotted field, what would implement it).
 _PENDING = (
     ("amp", "the AMP pass"),
-    ("recompute", "the recompute pass"),
     ("gradient_merge", "the gradient-merge pass"),
     ("pipeline", "pipeline partitioning"),
     ("sharding", "the sharding pass"),

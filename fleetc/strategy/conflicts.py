@@ -42,7 +42,8 @@ def resolve_conflicts(cfg: StrategyConfig) -> tuple[StrategyConfig, tuple[Decisi
        accumulates gradients over pipeline_configs.accumulate_steps micro-batches.
     4. gradient_merge with gradient_merge_configs.k_steps == 1: switched off; merging a single
        step is a plain step (Paddle does not apply it either).
-    5. recompute with no checkpoints: switched off; there is nowhere to cut (give names or "auto").
+    5. recompute with no checkpoints and no memory_budget_mb: switched off; there is nowhere to cut
+       (give names, "auto" or a budget).
     6. a_sync set to True by the user: ignored; it applies to parameter-server training and fleetc
        runs collective training only. Its default (True) alone is not reported.
     7. auto on: ignored; automatic strategy tuning is not implemented.
@@ -66,8 +67,9 @@ def resolve_conflicts(cfg: StrategyConfig) -> tuple[StrategyConfig, tuple[Decisi
                    f"accumulate_steps={cfg.pipeline_configs.accumulate_steps} micro-batches")
     elif cfg.gradient_merge and cfg.gradient_merge_configs.k_steps == 1:
         switch_off("gradient_merge", "gradient_merge_configs.k_steps is 1, so there is nothing to merge")
-    if cfg.recompute and cfg.recompute_configs.checkpoints == ():
-        switch_off("recompute", "recompute_configs.checkpoints is empty; give checkpoint names or 'auto'")
+    if cfg.recompute and cfg.recompute_configs.checkpoints == () and cfg.recompute_configs.memory_budget_mb is None:
+        switch_off("recompute", "recompute_configs.checkpoints is empty; give checkpoint names, 'auto' "
+                   "or memory_budget_mb")
     if cfg.a_sync and "a_sync" in cfg.explicit_fields:
         decisions.append(Decision("a_sync", "ignored", "it is for parameter-server training; "
                                                        "fleetc runs collective training only"))

@@ -1,0 +1,74 @@
+"""Recompute (activation checkpointing): drop forward values after forward and re-run their ops inside backward.
+
+Which values are saved comes from a plan: user checkpoints (`recompute_configs.checkpoints`, module
+paths or Var names), a min-cut (`"auto"`), or the cheapest plan within `memory_budget_mb`. The
+decisions per op come from a replaceable `RecomputePolicy` (`fleetc.compile(..., recompute_policy=...)`).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from fleetc.ir.liveness import estimate_memory
+from fleetc.ir.program import Program
+from fleetc.passes.base import PassReport
+from fleetc.passes.recompute_auto import budget_plan, min_cut_plan
+from fleetc.passes.recompute_checkpoints import checkpoint_plan
+from fleetc.passes.recompute_plan import ForwardRegion, RecomputePlan, forward_region
+from fleetc.passes.recompute_policy import Choice, RecomputePolicy
+from fleetc.passes.recompute_rewrite import apply_plan
+
+__all__ = ["Choice", "Recompute", "RecomputePolicy"]
+
+_DROPOUT_NOTE = ("dropout in recomputed segments is replayed from its saved mask (1 byte per element), "
+                 "as x * mask * scale, so no new random numbers are drawn and gradients match")
+
+
+class Recompute:
+    name = "recompute"
+    summary = "free forward values after forward and re-run the forward ops that made them inside backward"
+    reads = ("recompute", "recompute_configs.checkpoints", "recompute_configs.memory_budget_mb")
+
+    def __init__(self, policy: RecomputePolicy | None = None):
+        self.policy = policy if policy is not None else RecomputePolicy()
+
+    def _evaluate(self, program: Program, plan: RecomputePlan) -> tuple[int, float]:
+        """(estimated peak bytes, FLOPs re-run) of `plan` applied to a copy of `program`."""
+        trial = program.clone()
+        stats = apply_plan(forward_region(trial, self.policy), plan, self.policy)
+        return estimate_memory(trial).peak_bytes, stats.recompute_flops
+
+    def _plan(self, program: Program, region: ForwardRegion, config: Any) -> RecomputePlan:
+        checkpoints = config.recompute_configs.checkpoints
+        budget_mb = config.recompute_configs.memory_budget_mb
+        if checkpoints not in ((), "auto"):
+            return checkpoint_plan(region, checkpoints)
+        if budget_mb is not None:
+            plan, _ = budget_plan(region, budget_mb, lambda p: self._evaluate(program, p))
+            return plan
+        return min_cut_plan(region)
+
+    def run(self, program: Program, config: Any) -> tuple[Program, PassReport]:
+        report = PassReport(self.name)
+        region = forward_region(program, self.policy)
+        if not region.read_after:
+            report.skipped_reason = "nothing after forward reads a forward value (no backward), so nothing to drop"
+            return program, report
+        peak_before = estimate_memory(program).peak_bytes
+        plan = self._plan(program, region, config)
+        stats = apply_plan(region, plan, self.policy)
+        peak_after = estimate_memory(program).peak_bytes
+        report.stats.update(peak_bytes_before=peak_before, peak_bytes_after=peak_after,
+                            ops_recomputed=stats.ops_recomputed, dropouts_replayed=stats.dropouts_replayed,
+                            recompute_mflops=round(stats.recompute_flops / 1e6), checkpoints=len(plan.checkpoints),
+                            kept_across_boundaries=len(plan.kept_across))
+        report.notes += plan.notes
+        if stats.dropouts_replayed:
+            report.notes.append(_DROPOUT_NOTE)
+        budget_mb = config.recompute_configs.memory_budget_mb
+        if budget_mb is not None and peak_after > budget_mb * 2**20:
+            report.notes.append(f"estimated peak {peak_after / 2**20:.2f} MiB exceeds memory_budget_mb={budget_mb:g} "
+                                "with the given checkpoints")
+        report.changed = stats.ops_recomputed > 0
+        if not report.changed:
+            report.skipped_reason = f"plan '{plan.label}' leaves nothing to recompute: every value backward reads is saved"
+        return program, report

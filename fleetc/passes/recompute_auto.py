@@ -1,0 +1,110 @@
+"""Chooses what to save without user checkpoints: a min-cut over the forward graph, and a memory-budget search.
+
+The min-cut follows AOTAutograd's partitioner: every forward value is an edge `v_in → v_out` whose
+capacity is the bytes saving it costs; values the policy will not re-run hang off the source,
+values read after forward feed the sink. The cheapest cut is the smallest set of saved bytes from
+which everything backward needs can be recomputed.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import networkx as nx
+
+from fleetc.errors import StrategyError
+from fleetc.ir.liveness import aliased_input
+from fleetc.passes.recompute_checkpoints import checkpoint_plan, module_outputs
+from fleetc.passes.recompute_plan import ForwardRegion, RecomputePlan
+from fleetc.passes.recompute_policy import Choice
+
+# Saving a view of a temporary keeps its base alive: forbid cutting at the view, so the cut lands on the base.
+_UNCUTTABLE = 2 ** 62
+
+
+def _save_cost(region: ForwardRegion, name: str) -> int:
+    """Bytes that saving `name` keeps alive: 0 for views of state or inputs, its own bytes otherwise."""
+    op = region.producer[name]
+    base = aliased_input(op, op.outputs.index(name))
+    if base is None:
+        return region.program.var(name).nbytes()
+    return _UNCUTTABLE if base in region.producer else 0
+
+
+def min_cut_plan(region: ForwardRegion) -> RecomputePlan:
+    """Save the fewest bytes without re-running what the policy marks MUST_SAVE or PREFER_SAVE (matmuls)."""
+    graph = nx.DiGraph()
+    graph.add_nodes_from(("source", "sink"))
+    for name, op in region.producer.items():
+        choice = region.choices[op.name]
+        if region.must_save(name) or choice is Choice.PREFER_SAVE:
+            graph.add_edge("source", f"{name}_in")
+        graph.add_edge(f"{name}_in", f"{name}_out", capacity=_save_cost(region, name))
+        for source in region.recompute_inputs(op):
+            if source != name:
+                graph.add_edge(f"{source}_out", f"{name}_in")
+        if name in region.read_after:
+            graph.add_edge(f"{name}_out", "sink")
+    saved_bytes, (reachable, _) = nx.minimum_cut(graph, "source", "sink")
+    saved = frozenset(n for n in region.producer if f"{n}_in" in reachable)
+    return RecomputePlan(saved, label="auto",
+                         notes=[f"auto: the min-cut keeps {saved_bytes} bytes of forward values for backward"])
+
+
+def repeated_blocks(region: ForwardRegion) -> list[str]:
+    """Module paths of the longest run of numbered siblings (`layers.0`, `layers.1`, …), in forward order."""
+    outputs = module_outputs(region)
+    runs: dict[str, list[str]] = {}
+    for module in outputs:
+        match = re.fullmatch(r"(.*\.)?(\d+)", module)
+        if match:
+            runs.setdefault(match.group(1) or "", []).append(module)
+    if not runs:
+        return []
+    longest = max(runs.values(), key=len)
+    return sorted(longest, key=lambda m: region.index[region.producer[outputs[m]].name])
+
+
+def stride_plans(region: ForwardRegion) -> list[RecomputePlan]:
+    """Checkpoints every k-th repeated block, k = 1 … n (k ≈ √n is the classic sqrt(n) plan)."""
+    blocks = repeated_blocks(region)
+    plans = []
+    for stride in range(1, len(blocks) + 1):
+        plan = checkpoint_plan(region, tuple(blocks[stride - 1::stride]))
+        plan.label = f"checkpoints every {stride} of {len(blocks)} blocks"
+        plans.append(plan)
+    return plans
+
+
+@dataclass
+class Candidate:
+    """A plan with what it was measured to cost (estimated peak bytes, FLOPs re-run)."""
+
+    plan: RecomputePlan
+    peak_bytes: int
+    recompute_flops: float
+
+
+def budget_plan(region: ForwardRegion, budget_mb: float,
+                evaluate: Callable[[RecomputePlan], tuple[int, float]]) -> tuple[RecomputePlan, list[Candidate]]:
+    """The plan re-running the fewest FLOPs whose estimated peak is within `budget_mb` MiB.
+
+    Candidates: no recompute, the min-cut plan, and every stride of repeated-block checkpoints.
+    `evaluate` applies a plan to a copy of the Program and returns (estimated peak, re-run FLOPs).
+    """
+    no_recompute = RecomputePlan(frozenset(region.producer), label="no recompute")
+    plans = [no_recompute, min_cut_plan(region), *stride_plans(region)]
+    candidates = [Candidate(plan, *evaluate(plan)) for plan in plans]
+    fitting = [c for c in candidates if c.peak_bytes <= budget_mb * 2**20]
+    if not fitting:
+        best = min(candidates, key=lambda c: c.peak_bytes)
+        raise StrategyError(
+            f"recompute_configs.memory_budget_mb={budget_mb:g}: no recompute plan fits; the smallest "
+            f"estimated peak fleetc can reach is {best.peak_bytes / 2**20:.2f} MiB ({best.plan.label})")
+    chosen = min(fitting, key=lambda c: (c.recompute_flops, c.peak_bytes))
+    chosen.plan.notes.append(
+        f"memory budget {budget_mb:g} MiB: chose '{chosen.plan.label}' (estimated peak "
+        f"{chosen.peak_bytes / 2**20:.2f} MiB, {chosen.recompute_flops:.3g} FLOPs re-run) among "
+        + ", ".join(f"'{c.plan.label}' {c.peak_bytes / 2**20:.2f} MiB" for c in candidates))
+    return chosen.plan, candidates
