@@ -6,6 +6,8 @@ decisions per op come from a replaceable `RecomputePolicy` (`fleetc.compile(...,
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 from typing import Any
 
 from fleetc.ir.liveness import estimate_memory
@@ -23,6 +25,15 @@ _DROPOUT_NOTE = ("dropout in recomputed segments is replayed from its saved mask
                  "as x * mask * scale, so no new random numbers are drawn and gradients match")
 
 
+def _trial_copy(program: Program) -> Program:
+    """A copy `apply_plan` may rewrite, much cheaper than `clone()`: it replaces op lists, Vars and op
+    arguments but never mutates an existing Var, argument or attribute, so those are shared."""
+    trial = copy.copy(program)
+    trial.blocks = [dataclasses.replace(b, ops=[copy.copy(op) for op in b.ops], vars=dict(b.vars))
+                    for b in program.blocks]
+    return trial
+
+
 class Recompute:
     name = "recompute"
     summary = "free forward values after forward and re-run the forward ops that made them inside backward"
@@ -31,11 +42,11 @@ class Recompute:
     def __init__(self, policy: RecomputePolicy | None = None):
         self.policy = policy if policy is not None else RecomputePolicy()
 
-    def _evaluate(self, program: Program, plan: RecomputePlan) -> tuple[int, float]:
-        """(estimated peak bytes, FLOPs re-run) of `plan` applied to a copy of `program`."""
-        trial = program.clone()
-        stats = apply_plan(forward_region(trial, self.policy), plan, self.policy)
-        return estimate_memory(trial).peak_bytes, stats.recompute_flops
+    def _estimate_peak(self, program: Program, plan: RecomputePlan) -> int:
+        """Estimated peak bytes of `plan` applied to a trial copy of `program`."""
+        trial = _trial_copy(program)
+        apply_plan(forward_region(trial, self.policy), plan, self.policy)
+        return estimate_memory(trial).peak_bytes
 
     def _plan(self, program: Program, region: ForwardRegion, config: Any) -> RecomputePlan:
         checkpoints = config.recompute_configs.checkpoints
@@ -43,7 +54,7 @@ class Recompute:
         if checkpoints not in ((), "auto"):
             return checkpoint_plan(region, checkpoints)
         if budget_mb is not None:
-            plan, _ = budget_plan(region, budget_mb, lambda p: self._evaluate(program, p))
+            plan, _ = budget_plan(region, self.policy, budget_mb, lambda p: self._estimate_peak(program, p))
             return plan
         return min_cut_plan(region)
 
@@ -70,5 +81,6 @@ class Recompute:
                                 "with the given checkpoints")
         report.changed = stats.ops_recomputed > 0
         if not report.changed:
-            report.skipped_reason = f"plan '{plan.label}' leaves nothing to recompute: every value backward reads is saved"
+            report.skipped_reason = (f"plan '{plan.label}' leaves nothing to recompute: "
+                                     "every value backward reads is saved")
         return program, report

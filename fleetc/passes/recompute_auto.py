@@ -16,8 +16,8 @@ import networkx as nx
 from fleetc.errors import StrategyError
 from fleetc.ir.liveness import aliased_input
 from fleetc.passes.recompute_checkpoints import checkpoint_plan, module_outputs
-from fleetc.passes.recompute_plan import ForwardRegion, RecomputePlan
-from fleetc.passes.recompute_policy import Choice
+from fleetc.passes.recompute_plan import ForwardRegion, RecomputePlan, recompute_cost
+from fleetc.passes.recompute_policy import Choice, RecomputePolicy
 
 # Saving a view of a temporary keeps its base alive: forbid cutting at the view, so the cut lands on the base.
 _UNCUTTABLE = 2 ** 62
@@ -66,45 +66,53 @@ def repeated_blocks(region: ForwardRegion) -> list[str]:
     return sorted(longest, key=lambda m: region.index[region.producer[outputs[m]].name])
 
 
-def stride_plans(region: ForwardRegion) -> list[RecomputePlan]:
-    """Checkpoints every k-th repeated block, k = 1 … n (k ≈ √n is the classic sqrt(n) plan)."""
+def block_plans(region: ForwardRegion) -> list[RecomputePlan]:
+    """Checkpoints after every k-th repeated block (k ≈ √n is the classic sqrt(n) plan), and after each of the
+    first m blocks only (the last n − m blocks keep their activations: less re-run compute, a higher peak)."""
     blocks = repeated_blocks(region)
     plans = []
     for stride in range(1, len(blocks) + 1):
         plan = checkpoint_plan(region, tuple(blocks[stride - 1::stride]))
         plan.label = f"checkpoints every {stride} of {len(blocks)} blocks"
         plans.append(plan)
+    for m in range(1, len(blocks) - 1):
+        plan = checkpoint_plan(region, tuple(blocks[:m]))
+        plan.label = f"checkpoints after each of the first {m} of {len(blocks)} blocks"
+        plans.append(plan)
     return plans
 
 
 @dataclass
 class Candidate:
-    """A plan with what it was measured to cost (estimated peak bytes, FLOPs re-run)."""
+    """A plan with its re-run cost (estimated FLOPs) and, once evaluated, its estimated peak bytes."""
 
     plan: RecomputePlan
-    peak_bytes: int
     recompute_flops: float
+    peak_bytes: int | None = None
 
 
-def budget_plan(region: ForwardRegion, budget_mb: float,
-                evaluate: Callable[[RecomputePlan], tuple[int, float]]) -> tuple[RecomputePlan, list[Candidate]]:
+def budget_plan(region: ForwardRegion, policy: RecomputePolicy, budget_mb: float,
+                estimate_peak: Callable[[RecomputePlan], int]) -> tuple[RecomputePlan, list[Candidate]]:
     """The plan re-running the fewest FLOPs whose estimated peak is within `budget_mb` MiB.
 
-    Candidates: no recompute, the min-cut plan, and every stride of repeated-block checkpoints.
-    `evaluate` applies a plan to a copy of the Program and returns (estimated peak, re-run FLOPs).
+    Candidates: no recompute, the min-cut plan, and the repeated-block checkpoint plans (`block_plans`).
+    They are tried cheapest first; `estimate_peak` applies one to a copy of the Program and returns its
+    estimated peak, so the search stops at the first plan that fits.
     """
     no_recompute = RecomputePlan(frozenset(region.producer), label="no recompute")
-    plans = [no_recompute, min_cut_plan(region), *stride_plans(region)]
-    candidates = [Candidate(plan, *evaluate(plan)) for plan in plans]
-    fitting = [c for c in candidates if c.peak_bytes <= budget_mb * 2**20]
-    if not fitting:
-        best = min(candidates, key=lambda c: c.peak_bytes)
-        raise StrategyError(
-            f"recompute_configs.memory_budget_mb={budget_mb:g}: no recompute plan fits; the smallest "
-            f"estimated peak fleetc can reach is {best.peak_bytes / 2**20:.2f} MiB ({best.plan.label})")
-    chosen = min(fitting, key=lambda c: (c.recompute_flops, c.peak_bytes))
-    chosen.plan.notes.append(
-        f"memory budget {budget_mb:g} MiB: chose '{chosen.plan.label}' (estimated peak "
-        f"{chosen.peak_bytes / 2**20:.2f} MiB, {chosen.recompute_flops:.3g} FLOPs re-run) among "
-        + ", ".join(f"'{c.plan.label}' {c.peak_bytes / 2**20:.2f} MiB" for c in candidates))
-    return chosen.plan, candidates
+    plans = [no_recompute, min_cut_plan(region), *block_plans(region)]
+    candidates = sorted((Candidate(plan, recompute_cost(region, plan, policy)) for plan in plans),
+                        key=lambda c: c.recompute_flops)
+    for candidate in candidates:
+        candidate.peak_bytes = estimate_peak(candidate.plan)
+        if candidate.peak_bytes <= budget_mb * 2**20:
+            tried = [c for c in candidates if c.peak_bytes is not None]
+            candidate.plan.notes.append(
+                f"memory budget {budget_mb:g} MiB: chose '{candidate.plan.label}' (estimated peak "
+                f"{candidate.peak_bytes / 2**20:.2f} MiB, {candidate.recompute_flops:.3g} FLOPs re-run); tried "
+                "cheapest first: " + ", ".join(f"'{c.plan.label}' {c.peak_bytes / 2**20:.2f} MiB" for c in tried))
+            return candidate.plan, candidates
+    best = min(candidates, key=lambda c: c.peak_bytes)
+    raise StrategyError(
+        f"recompute_configs.memory_budget_mb={budget_mb:g}: no recompute plan fits; the smallest "
+        f"estimated peak fleetc can reach is {best.peak_bytes / 2**20:.2f} MiB ({best.plan.label})")

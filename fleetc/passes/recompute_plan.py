@@ -73,5 +73,11 @@ def forward_region(program: Program, policy: RecomputePolicy) -> ForwardRegion:
     read_after = {n for op in block.ops[first_backward:] for n in op.inputs if n in producer}
     read_after |= {n for n in program.fetches.values() if n in producer}
     choices = {op.name: policy.choose(program, block, op, written) for op in ops}
-    return ForwardRegion(program, block, ops, first_backward, {op.name: i for i, op in enumerate(ops)}, producer, read_after,
-                         choices)
+    index = {op.name: i for i, op in enumerate(ops)}
+    return ForwardRegion(program, block, ops, first_backward, index, producer, read_after, choices)
+
+
+def recompute_cost(region: ForwardRegion, plan: RecomputePlan, policy: RecomputePolicy) -> float:
+    """Estimated FLOPs of the forward ops `plan` re-runs (the rewrite emits exactly these)."""
+    return sum(policy.cost(region.program, region.ops[region.index[name]])
+               for name in region.closure(region.read_after, plan.saved))

@@ -1,11 +1,10 @@
 """Applies a RecomputePlan: re-emits forward ops inside backward and points their readers at the fresh values."""
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 from fleetc.ir.program import Op, OpRole, Program, Ref, Var
-from fleetc.passes.recompute_plan import ForwardRegion, RecomputePlan
+from fleetc.passes.recompute_plan import ForwardRegion, RecomputePlan, recompute_cost
 from fleetc.passes.recompute_policy import DROPOUT, RecomputePolicy
 
 PROVENANCE = "recompute"
@@ -38,15 +37,15 @@ def _recomputed_op(region: ForwardRegion, op: Op, renamed: dict[str, str], namer
 
     Like captured ops, the copy is named after its first result (`addmm@RECOMPUTE`).
     """
-    attrs = {**copy.deepcopy(op.attrs), "op_role": int(OpRole.BACKWARD), "provenance": PROVENANCE,
+    attrs = {**op.attrs, "op_role": int(OpRole.BACKWARD), "provenance": PROVENANCE,
              "forward_op": op.name}
     if op.type == DROPOUT:
         x, p = op.args[:2]
         train = op.args[2] if len(op.args) > 2 else op.kwargs.get("train")
         new = Op(op.name, DROPOUT_REPLAY, (x, Ref(op.outputs[1]), p, train), outputs=[op.outputs[0]], attrs=attrs)
     else:
-        new = Op(op.name, op.type, copy.deepcopy(op.args), copy.deepcopy(op.kwargs), list(op.outputs), attrs)
-    new.rename_inputs(renamed)
+        new = Op(op.name, op.type, op.args, op.kwargs, list(op.outputs), attrs)
+    new.rename_inputs(renamed)  # rebuilds the argument containers, so the forward op's are never shared mutably
     fresh = []
     for name in new.outputs:
         if name is None:
@@ -81,11 +80,11 @@ def apply_plan(region: ForwardRegion, plan: RecomputePlan, policy: RecomputePoli
             new_ops.append(_recomputed_op(region, fwd, renamed, namer))
             stats.ops_recomputed += 1
             stats.dropouts_replayed += fwd.type == DROPOUT
-            stats.recompute_flops += policy.cost(program, fwd)
         emitted |= batch
         op.rename_inputs(renamed)
         new_ops.append(op)
     block.ops = new_ops
+    stats.recompute_flops = recompute_cost(region, plan, policy)
     return stats
 
 
