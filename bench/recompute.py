@@ -22,6 +22,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import fleetc  # noqa: E402
+from fleetc.passes.recompute import RecomputePolicy  # noqa: E402
+from fleetc.passes.recompute_plan import forward_region  # noqa: E402
 from zoo import ZOO, TinyGPT  # noqa: E402
 
 LAYERS = 12
@@ -66,12 +68,13 @@ class Config:
         state = sum(stats["persistable_bytes"].values()) + stats["feed_bytes"]
         return stats["estimated_peak_bytes"], stats["measured_peak_bytes"], stats["measured_peak_bytes"] - state
 
-    def plan(self) -> str:
+    def plan(self) -> tuple[float, str]:
+        """(GFLOPs re-run per step, the plan a memory budget chose or how many ops are re-run)."""
         if "recompute" not in self.trainer.history.names():
-            return "-"
-        notes = self.trainer.history["recompute"].report.notes
-        chosen = [n.split("chose ")[1].split(" (")[0] for n in notes if "chose " in n]
-        return chosen[0] if chosen else f"{self.trainer.history['recompute'].report.stats['ops_recomputed']} ops re-run"
+            return 0.0, "-"
+        report = self.trainer.history["recompute"].report
+        chosen = [n.split("chose ")[1].split(" (")[0] for n in report.notes if "chose " in n]
+        return report.stats["recompute_mflops"] / 1000, chosen[0] if chosen else f"{report.stats['ops_recomputed']} ops"
 
 
 def main() -> None:
@@ -97,15 +100,19 @@ def main() -> None:
             config.step()
     base_time = statistics.median(configs[0].times[2:])
     base_act = configs[0].memory()[2]
+    policy, program = RecomputePolicy(), configs[0].trainer.program
+    forward_flops = sum(policy.cost(program, op) for op in forward_region(program, policy).ops)
     print(f"TinyGPT {SIZES}, batch {BATCH}, AdamW; torch threads {torch.get_num_threads()}; "
-          f"median of {args.rounds} interleaved steps")
+          f"median of {args.rounds} interleaved steps; forward pass ≈ {forward_flops / 1e9:.1f} GFLOPs (estimate)")
     print(f"{'configuration':<40} {'est. peak':>10} {'meas. peak':>10} {'activ.':>9} {'act. cut':>8} "
-          f"{'step ms':>8} {'time':>6}  plan")
+          f"{'step ms':>8} {'time':>6} {'re-run':>7}  plan")
     for config in configs:
         estimated, measured, activation = config.memory()
         median = statistics.median(config.times[2:])
+        gflops, plan = config.plan()
         print(f"{config.name:<40} {estimated / 2**20:>9.1f}M {measured / 2**20:>9.1f}M {activation / 2**20:>8.1f}M "
-              f"{base_act / activation:>7.2f}x {median * 1000:>8.0f} {median / base_time:>5.2f}x  {config.plan()}")
+              f"{base_act / activation:>7.2f}x {median * 1000:>8.0f} {median / base_time:>5.2f}x {gflops:>5.1f}GF  "
+              f"{plan}")
 
 
 if __name__ == "__main__":

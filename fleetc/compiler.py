@@ -88,8 +88,8 @@ class CompiledTrainer:
             verify(program, after_pass="capture")
         capture_report = PassReport("capture", changed=True, stats={"ops": program.num_ops()})
         history = History([PassRecord("capture", program, capture_report, capture_seconds, estimate_memory(program))])
-        manager = PassManager(build_pipeline(self.config, self.recompute_policy), self._instruments(),
-                              self.disable_passes)
+        pipeline = build_pipeline(self.config, recompute_policy=self.recompute_policy)
+        manager = PassManager(pipeline, self._instruments(), self.disable_passes)
         final = manager.run(program, self.config, history)
         report = CompileReport(decisions=list(self.decisions), ops_before=program.num_ops(), ops_after=final.num_ops())
         for record in history[1:]:

@@ -61,8 +61,8 @@ class Recompute:
     def run(self, program: Program, config: Any) -> tuple[Program, PassReport]:
         report = PassReport(self.name)
         region = forward_region(program, self.policy)
-        if not region.read_after:
-            report.skipped_reason = "nothing after forward reads a forward value (no backward), so nothing to drop"
+        if region.end == len(region.block.ops):
+            report.skipped_reason = "the Program has no backward ops (an evaluation step), so nothing to recompute"
             return program, report
         peak_before = estimate_memory(program).peak_bytes
         plan = self._plan(program, region, config)

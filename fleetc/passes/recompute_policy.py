@@ -75,7 +75,7 @@ class RecomputePolicy:
 
 def _contracted_size(program: Program, op: Op) -> int:
     """The reduced dimension of a matmul/convolution (K of M×K @ K×N; C_in·kernel for a convolution)."""
-    weight = op.args[1] if op.type in ("aten.convolution.default",) else op.args[-1]
+    weight = op.args[1] if op.type == "aten.convolution.default" else op.args[-1]
     var = program.find_var(getattr(weight, "name", ""))
     if var is None or not var.shape:
         return 1

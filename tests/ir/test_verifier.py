@@ -119,7 +119,8 @@ class _BreakingPass:
 
 def test_verify_instrument_names_the_pass_that_broke_the_program(monkeypatch):
     original = compiler.build_pipeline
-    monkeypatch.setattr(compiler, "build_pipeline", lambda config: [_BreakingPass(), *original(config)])
+    monkeypatch.setattr(compiler, "build_pipeline",
+                        lambda config, **options: [_BreakingPass(), *original(config, **options)])
     trainer = fleetc.compile(MLP(), loss_fn=F.cross_entropy, verify=True)
     with pytest.raises(fleetc.VerificationError, match="after pass 'breaks_things'"):
         trainer.step(torch.randn(4, 32), torch.randint(0, 10, (4,)))

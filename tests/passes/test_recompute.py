@@ -188,8 +188,11 @@ def test_memory_budget_alone_keeps_recompute_on_and_the_report_shows_notes():
     assert cfg.recompute and decisions == ()
     model = MLP()
     trainer = fleetc.compile(model, _strategy(checkpoints=["fc2", "fc1"]), loss_fn=F.cross_entropy)
-    trainer.step(torch.randn(4, 32), torch.randint(0, 10, (4,)))
+    x = torch.randn(4, 32)
+    trainer.step(x, torch.randint(0, 10, (4,)))
     assert "note: checkpoints given out of order" in str(trainer.report())
+    torch.testing.assert_close(trainer(x), model(x))  # the evaluation Program has no backward: left alone
+    assert not any(op.attrs.get("provenance") == "recompute" for _, op in trainer.eval_program.walk_ops())
 
 
 def _fixture() -> Program:
