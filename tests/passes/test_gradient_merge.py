@@ -101,7 +101,8 @@ def run_merged(trainer: fleetc.CompiledTrainer, zoo_name: str, micro_steps: int,
 
 
 @pytest.mark.parametrize(("avg", "optimizer_name"), [(True, "momentum"), (False, "adam")])
-@pytest.mark.parametrize("zoo_name", sorted(ZOO))
+@pytest.mark.parametrize("zoo_name", [pytest.param(name, marks=pytest.mark.slow) if name in ("cnn", "gpt") else name
+                                      for name in sorted(ZOO)])
 def test_zoo_matches_eager_gradient_accumulation(zoo_name, avg, optimizer_name):
     """BatchNorm statistics, dropout, tied and unused parameters all behave as in eager accumulation."""
     k_steps, micro_steps = 2, 6
@@ -180,6 +181,7 @@ def test_resume_mid_accumulation_matches_an_uninterrupted_run(optimizer_name):
         "the fleetc state must matter: resuming without it should diverge"
 
 
+@pytest.mark.slow
 def test_eval_calls_mid_accumulation_change_nothing():
     k_steps, micro_steps = 4, 8
     plain_model, plain = compiled("cnn", "momentum", merge_strategy(k_steps))
