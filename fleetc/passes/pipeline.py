@@ -10,6 +10,7 @@ from typing import Any
 
 from fleetc.passes.base import Pass
 from fleetc.passes.dce import DeadCodeElimination
+from fleetc.passes.gradient_merge import GradientMerge
 from fleetc.passes.noop_views import RemoveNoopViews
 from fleetc.passes.recompute import Recompute, RecomputePolicy
 
@@ -19,19 +20,19 @@ def build_pipeline(config: Any, recompute_policy: RecomputePolicy | None = None)
     return [
         RemoveNoopViews(),  # detach/clone/same-shape views from capture hide fusion patterns and cost calls
         *([Recompute(recompute_policy)] if config.recompute else []),  # after view cleanup: fewer ops to re-run
+        *([GradientMerge()] if config.gradient_merge else []),  # update once per k steps, on summed gradients
         DeadCodeElimination(),  # results nobody reads (e.g. saved stats of unused outputs)
     ]
 
 
 def all_pass_names() -> list[str]:
     """Every pass name the pipeline can contain (for --disable-pass validation)."""
-    return [RemoveNoopViews.name, Recompute.name, DeadCodeElimination.name]
+    return [RemoveNoopViews.name, Recompute.name, GradientMerge.name, DeadCodeElimination.name]
 
 
 # Strategy switches whose rewrite is not built yet: (dotted field, what would implement it).
 _PENDING = (
     ("amp", "the AMP pass"),
-    ("gradient_merge", "the gradient-merge pass"),
     ("pipeline", "pipeline partitioning"),
     ("sharding", "the sharding pass"),
     ("lars", "the LARS optimizer lowering"),
