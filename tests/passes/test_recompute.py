@@ -241,3 +241,27 @@ def test_dropout_replay_is_bit_identical_to_the_recorded_dropout(p):
     x = torch.randn(1000)
     out, mask = torch.ops.aten.native_dropout.default(x, p, True)
     assert torch.equal(fleetc.ops.resolve_callable("fleetc.dropout_replay")(x, mask, p, True), out)
+
+
+def test_composes_with_gradient_merge():
+    """Recompute runs before gradient merge; the merged update sees exactly the gradients it saw without it."""
+    def train(strategy):
+        torch.manual_seed(0)
+        model = MLP()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        trainer = fleetc.compile(model, strategy, optimizer=optimizer, loss_fn=F.cross_entropy, verify=True)
+        g = torch.Generator().manual_seed(1)
+        losses = [trainer.step(torch.randn(8, 32, generator=g), torch.randint(0, 10, (8,), generator=g))
+                  for _ in range(4)]
+        return trainer, losses, model.state_dict()
+
+    both = _strategy(checkpoints=["fc1", "fc2"])
+    merge_only = fleetc.DistributedStrategy()
+    for strategy in (both, merge_only):
+        strategy.gradient_merge = True
+        strategy.gradient_merge_configs = {"k_steps": 2}
+    trainer, losses, state = train(both)
+    _, expected_losses, expected_state = train(merge_only)
+    assert trainer.report().applied[:3] == ["remove_noop_views", "recompute", "gradient_merge"]
+    assert all(torch.equal(a, b) for a, b in zip(losses, expected_losses))
+    assert all(torch.equal(state[k], expected_state[k]) for k in state)
