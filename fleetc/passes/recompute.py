@@ -54,8 +54,7 @@ class Recompute:
         if checkpoints not in ((), "auto"):
             return checkpoint_plan(region, checkpoints)
         if budget_mb is not None:
-            plan, _ = budget_plan(region, self.policy, budget_mb, lambda p: self._estimate_peak(program, p))
-            return plan
+            return budget_plan(region, self.policy, budget_mb, lambda p: self._estimate_peak(program, p))
         return min_cut_plan(region)
 
     def run(self, program: Program, config: Any) -> tuple[Program, PassReport]:

@@ -92,7 +92,7 @@ class Candidate:
 
 
 def budget_plan(region: ForwardRegion, policy: RecomputePolicy, budget_mb: float,
-                estimate_peak: Callable[[RecomputePlan], int]) -> tuple[RecomputePlan, list[Candidate]]:
+                estimate_peak: Callable[[RecomputePlan], int]) -> RecomputePlan:
     """The plan re-running the fewest FLOPs whose estimated peak is within `budget_mb` MiB.
 
     Candidates: no recompute, the min-cut plan, and the repeated-block checkpoint plans (`block_plans`).
@@ -111,7 +111,7 @@ def budget_plan(region: ForwardRegion, policy: RecomputePolicy, budget_mb: float
                 f"memory budget {budget_mb:g} MiB: chose '{candidate.plan.label}' (estimated peak "
                 f"{candidate.peak_bytes / 2**20:.2f} MiB, {candidate.recompute_flops:.3g} FLOPs re-run); tried "
                 "cheapest first: " + ", ".join(f"'{c.plan.label}' {c.peak_bytes / 2**20:.2f} MiB" for c in tried))
-            return candidate.plan, candidates
+            return candidate.plan
     best = min(candidates, key=lambda c: c.peak_bytes)
     raise StrategyError(
         f"recompute_configs.memory_budget_mb={budget_mb:g}: no recompute plan fits; the smallest "

@@ -65,7 +65,7 @@ RECOMPUTE_CONFIGS = Section("recompute_configs", (
     flag("enable_offload", "keep checkpoints in host memory between forward and backward"),
     Field("checkpoint_shape", ListOf(int), (), "shape of the checkpoints, needed when offloading"),
     Field("memory_budget_mb", Nullable(POSITIVE), None,
-          "fleetc: activation memory to aim for when checkpoints is 'auto'; None = no budget"),
+          "fleetc: the step's estimated peak (MiB) to fit when checkpoints is empty or 'auto'; None = no budget"),
 ), "recompute settings")
 
 GRADIENT_MERGE_CONFIGS = Section("gradient_merge_configs", (
