@@ -22,6 +22,7 @@ from fleetc.report import CompileReport
 from fleetc.runtime.executor import Executable
 from fleetc.runtime.state import StateBinding
 from fleetc.strategy import resolve_conflicts, resolve_strategy
+from fleetc.viz.progress import CompileProgress, ProgressInstrument, progress_stage
 
 
 @dataclass
@@ -76,6 +77,7 @@ class CompiledTrainer:
     # ----- compiling -------------------------------------------------------------------------
     def _instruments(self) -> list[PassInstrument]:
         instruments: list[PassInstrument] = [VerifyInstrument()] if self.verify else []
+        instruments.append(ProgressInstrument())
         if self.print_after:
             instruments.append(PrintInstrument(only_changed=self.print_after == "change"))
         return instruments
@@ -100,11 +102,13 @@ class CompiledTrainer:
 
     def _compile(self, kind: str, args: tuple, kwargs: dict) -> CompiledStep:
         start = time.perf_counter()
+        progress_stage("capture")
         if kind == "train":
             program, out_spec = capture_train_program(self.model, self.loss_fn, self.optimizer, args, kwargs), None
         else:
             program, out_spec = capture_eval_program(self.model, args, kwargs)
         final, history, report = self._optimize(program, time.perf_counter() - start)
+        progress_stage("codegen")
         executable = Executable(final, measure_memory=self.measure_memory)
         binding = StateBinding(final, self.model, self.optimizer, self.counters)
         report.compile_seconds = time.perf_counter() - start
@@ -117,7 +121,8 @@ class CompiledTrainer:
             key += optimizer_signature(self.optimizer)
         cache = self._train_cache if kind == "train" else self._eval_cache
         if key not in cache:
-            cache[key] = self._compile(kind, args, kwargs)
+            with CompileProgress(f"fleetc: compiling the {kind} step"):
+                cache[key] = self._compile(kind, args, kwargs)
         return cache[key], leaves
 
     # ----- running ---------------------------------------------------------------------------
