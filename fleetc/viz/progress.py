@@ -1,12 +1,14 @@
 """A progress bar over the stages of one compile (capture, each pass, codegen), shown only when it is slow.
 
 tqdm draws it in terminals and notebooks; it appears once compiling has taken `delay` seconds, so quick
-compiles print nothing. `TQDM_DISABLE=1` in the environment turns it off. Any long step inside a compile
+compiles print nothing, and never when standard error is a file or pipe (logs, CI, captured output)
+outside a notebook. `TQDM_DISABLE=1` in the environment turns it off everywhere. Any long step inside a compile
 (e.g. kernel generation) announces itself with `progress_stage("kernel generation")`.
 """
 from __future__ import annotations
 
 import contextvars
+import sys
 import threading
 import warnings
 from typing import IO
@@ -18,6 +20,14 @@ DEFAULT_DELAY = 2.0  # seconds before the bar appears
 REFRESH_SECONDS = 1.0  # a long stage (e.g. capture of a large model) still shows its elapsed time
 
 _active: contextvars.ContextVar[CompileProgress | None] = contextvars.ContextVar("fleetc_progress", default=None)
+
+
+def wanted(file: IO[str] | None) -> bool:
+    """Show a bar on a terminal, or in a Jupyter kernel (whose streams are not terminals but render it)."""
+    if "ipykernel" in sys.modules:
+        return True
+    stream = file or sys.stderr
+    return bool(getattr(stream, "isatty", lambda: False)())
 
 
 def _tqdm_class():
@@ -37,17 +47,20 @@ class CompileProgress:
         self.description = description
         self.delay = DEFAULT_DELAY if delay is None else delay
         self.file = file
+        self.stages: list[str] = []
         self._bar = None
         self._closed = threading.Event()
         self._refresher: threading.Thread | None = None
         self._token: contextvars.Token | None = None
 
     def __enter__(self) -> CompileProgress:
-        self._bar = _tqdm_class()(desc=self.description, unit="stage", delay=self.delay, file=self.file,
-                                  bar_format="{desc}: {n_fmt} stages done [{elapsed}]{postfix}")
-        self._refresher = threading.Thread(target=self._refresh_while_open, daemon=True)
-        self._refresher.start()
         self._token = _active.set(self)
+        if wanted(self.file):
+            self._bar = _tqdm_class()(desc=self.description, unit="stage", delay=self.delay, file=self.file,
+                                      mininterval=0,  # a handful of stages: draw each one
+                                      bar_format="{desc}: {n_fmt} stages done [{elapsed}]{postfix}")
+            self._refresher = threading.Thread(target=self._refresh_while_open, daemon=True)
+            self._refresher.start()
         return self
 
     def _refresh_while_open(self) -> None:
@@ -57,18 +70,23 @@ class CompileProgress:
             self._bar.update(0)  # redraws; unlike refresh() it records the print, so close() ends the line
             self._closed.wait(REFRESH_SECONDS)
 
+    def _show(self, text: str, done: int) -> None:
+        if self._bar is not None:
+            self._bar.set_postfix_str(text, refresh=False)
+            self._bar.update(done)
+
     def stage(self, name: str) -> None:
-        if self._bar.postfix:
-            self._bar.update(1)
-        self._bar.set_postfix_str(name, refresh=False)
+        self._show(name, 1 if self.stages else 0)
+        self.stages.append(name)
 
     def __exit__(self, *exc_info: object) -> None:
         _active.reset(self._token)
+        if self._bar is None:
+            return
         self._closed.set()
         self._refresher.join(timeout=REFRESH_SECONDS * 5)
-        if self._bar.postfix:
-            self._bar.update(1)
-        self._bar.set_postfix_str("done" if exc_info[0] is None else "failed", refresh=False)
+        self._show("done" if exc_info[0] is None else f"failed in {self.stages[-1] if self.stages else '-'}",
+                   1 if self.stages else 0)
         self._bar.close()
 
 
