@@ -35,7 +35,7 @@ CSS = """
 .fleetc summary { cursor: pointer; }
 .fleetc .module > summary b { font-family: ui-monospace, 'DejaVu Sans Mono', monospace; }
 .fleetc .count { color: #6b7280; }
-.fleetc .op { white-space: pre; padding: 1px 6px; margin: 1px 0 1px 14px; overflow-x: auto; }
+.fleetc .op { white-space: pre-wrap; overflow-wrap: anywhere; padding: 1px 6px; margin: 1px 0 1px 14px; }
 .fleetc .idx { color: #6b7280; display: inline-block; min-width: 3.5em; }
 .fleetc .added { outline: 2px solid #16a34a; }
 .fleetc .removed { outline: 2px solid #dc2626; text-decoration: line-through; opacity: 0.75; }
