@@ -80,14 +80,17 @@ def _layers(count: int, edges: list[tuple[int, int]]) -> list[list[int]]:
     graph = nx.DiGraph()
     graph.add_nodes_from(range(count))
     graph.add_edges_from(edges)
-    layers = [sorted(layer) for layer in nx.topological_generations(graph)]
     column: dict[int, float] = {}
-    for layer in layers:
-        def barycenter(node: int) -> float:
-            placed = [column[p] for p in graph.predecessors(node) if p in column]
-            return sum(placed) / len(placed) if placed else float(node)
-        layer.sort(key=barycenter)
+
+    def barycenter(node: int) -> float:  # the mean column of its inputs, so arrows run mostly straight down
+        placed = [column[p] for p in graph.predecessors(node)]
+        return sum(placed) / len(placed) if placed else float(node)
+
+    layers = []
+    for generation in nx.topological_generations(graph):
+        layer = sorted(sorted(generation), key=barycenter)
         column.update((node, x) for x, node in enumerate(layer))
+        layers.append(layer)
     return layers
 
 

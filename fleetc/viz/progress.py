@@ -24,7 +24,9 @@ _active: contextvars.ContextVar[CompileProgress | None] = contextvars.ContextVar
 
 def wanted(file: IO[str] | None) -> bool:
     """Show a bar on a terminal, or in a Jupyter kernel (whose streams are not terminals but render it)."""
-    if "ipykernel" in sys.modules:
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    if shell is not None and "IPKernelApp" in shell.config:
         return True
     stream = file or sys.stderr
     return bool(getattr(stream, "isatty", lambda: False)())

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import io
 import re
+import sys
 import time
+import types
 
 import torch
 import torch.nn.functional as F
@@ -72,3 +74,12 @@ def test_a_long_stage_shows_up_while_it_runs() -> None:
             time.sleep(0.02)
         shown_while_running = terminal.getvalue()
     assert re.search(r"compiling: 0 stages done \[00:0\d\], capture", shown_while_running)
+
+
+def test_a_jupyter_kernel_gets_the_bar_though_its_stream_is_no_terminal(monkeypatch) -> None:
+    kernel_shell = types.SimpleNamespace(config={"IPKernelApp": {}})
+    monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: kernel_shell))
+    assert progress.wanted(io.StringIO())
+    terminal_shell = types.SimpleNamespace(config={})  # plain IPython in a terminal: ask the stream
+    monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: terminal_shell))
+    assert not progress.wanted(io.StringIO()) and progress.wanted(Terminal())
