@@ -10,6 +10,7 @@ from typing import Any
 
 from fleetc.passes.base import Pass
 from fleetc.passes.dce import DeadCodeElimination
+from fleetc.passes.gradient_merge import GradientMerge
 from fleetc.passes.noop_views import RemoveNoopViews
 
 
@@ -17,20 +18,20 @@ def build_pipeline(config: Any) -> list[Pass]:
     """The passes to run for a strategy config, in order."""
     return [
         RemoveNoopViews(),  # detach/clone/same-shape views from capture hide fusion patterns and cost calls
+        *([GradientMerge()] if config.gradient_merge else []),  # update once per k steps, on summed gradients
         DeadCodeElimination(),  # results nobody reads (e.g. saved stats of unused outputs)
     ]
 
 
 def all_pass_names() -> list[str]:
     """Every pass name the pipeline can contain (for --disable-pass validation)."""
-    return [RemoveNoopViews.name, DeadCodeElimination.name]
+    return [RemoveNoopViews.name, GradientMerge.name, DeadCodeElimination.name]
 
 
 # Strategy switches whose rewrite is not built yet: (dotted field, what would implement it).
 _PENDING = (
     ("amp", "the AMP pass"),
     ("recompute", "the recompute pass"),
-    ("gradient_merge", "the gradient-merge pass"),
     ("pipeline", "pipeline partitioning"),
     ("sharding", "the sharding pass"),
     ("lars", "the LARS optimizer lowering"),
