@@ -141,7 +141,7 @@ def _single(options: argparse.Namespace) -> bool:
 def _select(history: History, options: argparse.Namespace) -> list[PassRecord]:
     if options.after_change:
         return [r for r in history if r.report.changed]
-    if options.after == "all" or (options.after is None and (options.format == "html" or options.dir)):
+    if options.after == "all" or (options.after is None and (options.format == "html" or options.dir is not None)):
         return list(history)
     if options.after is None:
         return [history[-1]]

@@ -9,9 +9,10 @@ import pytest
 
 from fleetc.cli import main
 from fleetc.ir.serialize import from_dict
-from fleetc.passes.pipeline import all_pass_names
+from fleetc.passes.pipeline import build_pipeline
+from fleetc.strategy import resolve_strategy
 
-STAGES = ["capture", *all_pass_names()]
+STAGES = ["capture", *(p.name for p in build_pipeline(resolve_strategy(None)))]  # what the default strategy runs
 
 
 def dump(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
