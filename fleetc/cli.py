@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import fleetc
+from fleetc.codegen.triton import format_kernels
 from fleetc.errors import FleetcError
 from fleetc.ir.liveness import MemoryEstimate
 from fleetc.ir.serialize import program_to_json, to_dict
@@ -127,6 +128,8 @@ def _check_options(options: argparse.Namespace) -> None:
                            f"(passes: {', '.join(stages)}, or all)")
     if options.memory and options.format == "json":
         raise CommandError("--memory applies to --format text only")
+    if options.kernels and options.format == "json":
+        raise CommandError("--kernels applies to --format text only")
 
 
 def _single(options: argparse.Namespace) -> bool:
@@ -187,6 +190,8 @@ def dump_ir(options: argparse.Namespace) -> int:
         text = _render_json(records, options)
     else:
         text = _render_text(trainer.history, records, options)
+    if options.kernels:
+        text += format_kernels(records[-1].program)
     if options.out is None:
         sys.stdout.write(text)
         return 0
@@ -222,6 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--memory", action="store_true",
                       help="after each Program, list the estimated live bytes after every op and the peak")
     dump.add_argument("--verify", action="store_true", help="run the IR verifier after every pass")
+    dump.add_argument("--kernels", action="store_true",
+                      help="after the Program, print the Triton source generated for each fused op (text format)")
     return parser
 
 
