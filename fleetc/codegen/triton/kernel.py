@@ -5,6 +5,7 @@ sizes and strides are `tl.constexpr` arguments, so the compiled binary is specia
 Triton's cache keys it by source, constexprs, dtypes and device). Pointwise groups run a 1-D grid
 over the flattened output with a tail mask; groups ending in a reduction run a 2-D tile of
 (kept elements × reduced elements), looping over the reduced extent and accumulating in fp32.
+Reductions combine with a helper jitted in the kernel's own module (see lowering.py for why).
 Inputs are read through per-dimension strides (0 for broadcast dimensions) unless they are
 contiguous at the full shape, in which case the flat offset is used directly.
 """
@@ -123,7 +124,7 @@ def generate_kernel(name: str, steps: tuple, results: tuple, input_dtypes: tuple
         inner = ind * 2
         body += [f"{ind}rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]",
                  f"{ind}row_mask = rows < M",
-                 f"{ind}acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)",
+                 f"{ind}acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)",
                  f"{ind}for start in range(0, N, BLOCK_N):",
                  f"{inner}cols = start + tl.arange(0, BLOCK_N)[None, :]",
                  f"{inner}mask = row_mask & (cols < N)"]
@@ -137,7 +138,7 @@ def generate_kernel(name: str, steps: tuple, results: tuple, input_dtypes: tuple
                 body.append(f"{inner}tl.store(out{m} + flat, v{r}.to(out{m}.dtype.element_ty), mask=mask)")
         summed = steps[-1][1][0]
         body.append(f"{inner}acc += tl.where(mask, v{operand_index(summed)}, 0.0)")
-        body.append(f"{ind}total = tl.sum(acc, axis=1)[:, None]")
+        body.append(f"{ind}total = tl.reduce(acc, 1, _add)[:, None]")
         if mean:
             body.append(f"{ind}total = total / N")
         for m, r in enumerate(results):
@@ -145,6 +146,7 @@ def generate_kernel(name: str, steps: tuple, results: tuple, input_dtypes: tuple
                 body.append(f"{ind}tl.store(out{m} + rows, total.to(out{m}.dtype.element_ty), mask=row_mask)")
     if not name.isidentifier():
         raise LoweringError(f"kernel name {name!r} is not a Python identifier")
-    source = "\n".join(["import triton", "import triton.language as tl", "", "", "@triton.jit",
+    helpers = ["@triton.jit", "def _add(a, b):", "    return a + b", "", ""] if reduction else []
+    source = "\n".join(["import triton", "import triton.language as tl", "", "", *helpers, "@triton.jit",
                         f"def {name}({', '.join(params)}):", *body]) + "\n"
     return KernelSource(name, source, rank, reduction[0] if reduction else None, bool(reduction and reduction[1]))

@@ -1,5 +1,9 @@
 """Triton expressions for pointwise aten ops: which ops a fused kernel can compute, and how.
 
+Lowerings use only Triton builtins (`tl.exp`, `tl.where`, `tl.math.erf`, …), never the `@triton.jit`
+helpers of `triton.language.standard` (`tl.sigmoid`, `tl.sum`, `tl.zeros`): those are decorated when triton is first
+imported, so they fail inside interpreted kernels when triton was imported before TRITON_INTERPRET was set.
+
 Each lowering takes the operands as Triton source text (a value name such as `v3`, or a constant
 already written as source) plus the op's keyword arguments, and returns one expression. Float math
 runs in fp32 (inputs are upcast on load, results cast on store), as torch does inside its own kernels.
@@ -29,8 +33,12 @@ def constant(value: Any) -> str:
     raise LoweringError(f"constant {value!r} of type {type(value).__name__} has no Triton form")
 
 
+def _sigmoid(x: str) -> str:
+    return f"(1.0 / (1.0 + tl.exp(-({x}))))"
+
+
 def _tanh(x: str) -> str:
-    return f"(2.0 * tl.sigmoid(2.0 * ({x})) - 1.0)"
+    return f"(2.0 * {_sigmoid(f'2.0 * ({x})')} - 1.0)"
 
 
 def _gelu(x: str, approximate: str = "'none'") -> str:
@@ -104,13 +112,13 @@ _LOWERINGS: dict[str, Callable[..., str]] = {
     "aten.leaky_relu.default": lambda a, slope="0.01": f"tl.where(({a}) > 0.0, ({a}), ({a}) * ({slope}))",
     "aten.leaky_relu_backward.default":
         lambda g, x, slope, self_is_result: f"tl.where(({x}) > 0.0, ({g}), ({g}) * ({slope}))",
-    "aten.sigmoid.default": lambda a: f"tl.sigmoid({a})",
+    "aten.sigmoid.default": _sigmoid,
     "aten.sigmoid_backward.default": lambda g, y: f"(({g}) * (1.0 - ({y})) * ({y}))",
     "aten.tanh.default": _tanh,
     "aten.tanh_backward.default": lambda g, y: f"(({g}) * (1.0 - ({y}) * ({y})))",
-    "aten.silu.default": lambda a: f"(({a}) * tl.sigmoid({a}))",
+    "aten.silu.default": lambda a: f"(({a}) * {_sigmoid(a)})",
     "aten.silu_backward.default":
-        lambda g, x: f"(({g}) * tl.sigmoid({x}) * (1.0 + ({x}) * (1.0 - tl.sigmoid({x}))))",
+        lambda g, x: f"(({g}) * {_sigmoid(x)} * (1.0 + ({x}) * (1.0 - {_sigmoid(x)})))",
     "aten.gelu.default": _gelu,
     "aten.gelu_backward.default": _gelu_backward,
     "aten.native_dropout_backward.default": lambda g, mask, scale: f"tl.where({mask}, ({g}) * ({scale}), 0.0)",
