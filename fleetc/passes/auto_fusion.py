@@ -270,6 +270,10 @@ class AutoFusion:
         for group in groups:
             read_outside = {n for n in group.defined
                             if n in fetched or any(member_of.get(r) is not group for r in readers.get(n, ()))}
+            if not read_outside:  # a dead chain: left as it is for dead-code elimination to drop
+                for i in group.members:
+                    del member_of[i]
+                continue
             fused = self._fused_op(program, block, group, index, read_outside)
             index += 1
             fused_at[group.members[0]] = fused
