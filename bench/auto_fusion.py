@@ -2,8 +2,9 @@
 
 Run from the repository root (the machine is shared; pin threads for steadier numbers):
     OMP_NUM_THREADS=1 PYTHONPATH=$PWD:$PWD/tests python bench/auto_fusion.py [--steps 200]
-Both trainers are built from copies of one model and timed in alternating rounds, so load on the
-machine affects both sides alike; the ratio is median(on) / median(off).
+Both trainers train copies of one model on the same batch; steps are interleaved (one off, one on, the
+order alternating), so load on the machine lands on both sides alike; each figure is the median step
+time and the ratio is median(on) / median(off).
 """
 from __future__ import annotations
 
@@ -25,21 +26,20 @@ def trainer_for(model: torch.nn.Module, entry, optimizer_name: str, on: bool) ->
                           loss_fn=entry.loss_fn)
 
 
-def time_steps(trainer: fleetc.CompiledTrainer, args: tuple, kwargs: dict, steps: int) -> float:
+def time_step(trainer: fleetc.CompiledTrainer, args: tuple, kwargs: dict) -> float:
     start = time.perf_counter()
-    for _ in range(steps):
-        trainer.step(*args, **kwargs)
-    return (time.perf_counter() - start) / steps
+    trainer.step(*args, **kwargs)
+    return time.perf_counter() - start
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200, help="steps per timing round")
-    parser.add_argument("--rounds", type=int, default=5, help="alternating on/off rounds")
+    parser.add_argument("--steps", type=int, default=300, help="timed steps per side")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed steps per side after compiling")
     parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS))
     options = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), optimizer {options.optimizer}, "
-          f"{options.rounds} rounds x {options.steps} steps")
+          f"{options.steps} interleaved steps per side, medians")
     print(f"{'model':<13} {'ops off':>7} {'ops on':>6} {'groups':>6} {'fused':>5} "
           f"{'off us/step':>11} {'on us/step':>10} {'on/off':>6}")
     for name, entry in ZOO.items():
@@ -48,12 +48,13 @@ def main() -> None:
         args, kwargs = entry.make_batch(torch.Generator().manual_seed(1))
         off = trainer_for(copy.deepcopy(model), entry, options.optimizer, on=False)
         on = trainer_for(copy.deepcopy(model), entry, options.optimizer, on=True)
-        for trainer in (off, on):
-            time_steps(trainer, args, kwargs, 10)  # compile and warm up
-        times = {"off": [], "on": []}
-        for _ in range(options.rounds):
-            times["off"].append(time_steps(off, args, kwargs, options.steps))
-            times["on"].append(time_steps(on, args, kwargs, options.steps))
+        for _ in range(options.warmup + 1):  # the first step compiles
+            time_step(off, args, kwargs), time_step(on, args, kwargs)
+        times: dict[str, list[float]] = {"off": [], "on": []}
+        for i in range(options.steps):
+            order = (("off", off), ("on", on)) if i % 2 == 0 else (("on", on), ("off", off))
+            for side, trainer in order:
+                times[side].append(time_step(trainer, args, kwargs))
         t_off, t_on = statistics.median(times["off"]), statistics.median(times["on"])
         stats = on.report().stats.get("auto_fusion", {})
         print(f"{name:<13} {off.program.num_ops():>7} {on.program.num_ops():>6} {stats.get('groups', 0):>6} "

@@ -113,8 +113,18 @@ def kernel_for(name: str, steps: tuple, results: tuple, inputs: tuple[torch.Tens
     return generate_kernel(name, steps, results, dtypes, rank)
 
 
-def build_launcher(name: str, steps: tuple, results: tuple, inputs: tuple[torch.Tensor, ...]) -> Launcher:
-    """Generate, load and bind the kernel for inputs of these shapes, strides, dtypes and device."""
+@dataclass(frozen=True)
+class LaunchSpec:
+    """Everything a launch needs besides the tensors: kernel source, grid, constexpr arguments, output specs."""
+
+    kernel: KernelSource
+    grid: tuple[int]
+    constexprs: dict[str, Any]
+    outputs: list[tuple[tuple[int, ...], torch.dtype]]
+
+
+def launch_spec(name: str, steps: tuple, results: tuple, inputs: tuple[torch.Tensor, ...]) -> LaunchSpec:
+    """The kernel and its arguments for inputs of these shapes, strides and dtypes (meta tensors will do)."""
     shape = tuple(torch.broadcast_shapes(*(t.shape for t in inputs)))
     kernel = kernel_for(name, steps, results, inputs)
     metas = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") for t in inputs]
@@ -131,7 +141,13 @@ def build_launcher(name: str, steps: tuple, results: tuple, inputs: tuple[torch.
         grid = (-(-sizes["NUMEL"] // sizes["BLOCK"]),)
     else:
         grid = (max(1, -(-sizes["M"] // sizes["BLOCK_M"])),)
-    return Launcher(load_kernel(kernel), grid, constexprs, [(tuple(p.shape), p.dtype) for p in produced])
+    return LaunchSpec(kernel, grid, constexprs, [(tuple(p.shape), p.dtype) for p in produced])
+
+
+def build_launcher(name: str, steps: tuple, results: tuple, inputs: tuple[torch.Tensor, ...]) -> Launcher:
+    """Generate, load and bind the kernel for inputs of these shapes, strides, dtypes and device."""
+    spec = launch_spec(name, steps, results, inputs)
+    return Launcher(load_kernel(spec.kernel), spec.grid, spec.constexprs, spec.outputs)
 
 
 _LAUNCHERS: dict[tuple, Callable] = {}
