@@ -160,3 +160,17 @@ def test_evaluation_program_is_fused_too():
     run.eager_model.eval()
     torch.testing.assert_close(run.trainer(x), run.eager_model(x), rtol=1e-5, atol=1e-6)
     assert any(op.type == FUSED for _, op in run.trainer.eval_program.walk_ops())
+
+
+@pytest.mark.parametrize("zoo_name", ["cnn", "gpt"])
+def test_fused_ops_declare_the_shapes_and_dtypes_their_reference_computes(zoo_name):
+    program = _fused_program(zoo_name).program
+    for _, op in program.walk_ops():
+        if op.type != FUSED:
+            continue
+        metas = [torch.empty(program.var(r.name).shape, dtype=program.var(r.name).torch_dtype, device="meta")
+                 for r in op.args]
+        produced = reference(*metas, steps=op.kwargs["steps"], results=op.kwargs["results"])
+        produced = produced if isinstance(produced, tuple) else (produced,)
+        declared = [(tuple(program.var(n).shape), program.var(n).torch_dtype) for n in op.outputs]
+        assert [(tuple(p.shape), p.dtype) for p in produced] == declared, op.name
