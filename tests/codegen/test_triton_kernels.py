@@ -118,6 +118,8 @@ def test_reduction_over_non_adjacent_dims_with_large_extents(interpret):
              _step("aten.exp.default", operand(2)),
              _step("aten.mean.dim", operand(3), (0, -1)))
     check_kernel((torch.randn(5, 3, 140), torch.randn(140)), steps, (3, 4), "fused_sub_exp_mean_0")
+    by_keyword = (*steps[:2], _step("aten.sum.dim_IntList", operand(3), dim=(1,), keepdim=True))
+    check_kernel((torch.randn(5, 3, 140), torch.randn(140)), by_keyword, (4,), "fused_sub_exp_sum_0")
 
 
 def test_bool_results_and_where(interpret):

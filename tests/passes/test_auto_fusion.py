@@ -9,8 +9,9 @@ from torch import nn
 
 import fleetc
 from conftest import run_side_by_side
-from fleetc.ir.program import OpRole
+from fleetc.ir.program import Op, OpRole, Program, Ref, Var, VarKind
 from fleetc.ir.serialize import program_from_json, program_to_json
+from fleetc.ir.verifier import verify
 from fleetc.ops.fused_elementwise import reference
 from fleetc.passes.auto_fusion import AutoFusion, FusionChoices, set_fusion_choices
 from fleetc.passes.dce import DeadCodeElimination
@@ -174,3 +175,40 @@ def test_fused_ops_declare_the_shapes_and_dtypes_their_reference_computes(zoo_na
         produced = produced if isinstance(produced, tuple) else (produced,)
         declared = [(tuple(program.var(n).shape), program.var(n).torch_dtype) for n in op.outputs]
         assert [(tuple(p.shape), p.dtype) for p in produced] == declared, op.name
+
+
+def _chain_program(late_input_first: bool) -> Program:
+    """x, y → a = x + y; c = cumsum(x) (not pointwise); d = a * c; fetch d. `late_input_first` puts c before a."""
+    program = Program()
+    block = program.global_block
+    for name in ("x", "y"):
+        block.add_var(Var(name, (4,), "float32", kind=VarKind.DATA))
+    for name in ("a", "c", "d"):
+        block.add_var(Var(name, (4,), "float32"))
+    forward = {"op_role": int(OpRole.FORWARD)}
+    add = Op("add", "aten.add.Tensor", (Ref("x"), Ref("y")), outputs=["a"], attrs=dict(forward))
+    cumsum = Op("cumsum", "aten.cumsum.default", (Ref("x"), 0), outputs=["c"], attrs=dict(forward))
+    mul = Op("mul", "aten.mul.Tensor", (Ref("a"), Ref("c")), outputs=["d"], attrs=dict(forward))
+    block.ops = [cumsum, add, mul] if late_input_first else [add, cumsum, mul]
+    program.feeds, program.fetches = ["x", "y"], {"output.0": "d"}
+    return program
+
+
+def test_an_op_joins_only_where_its_outside_inputs_already_exist():
+    fused, report = AutoFusion().run(_chain_program(late_input_first=True), None)
+    verify(fused)
+    assert report.stats == {"groups": 1, "ops_fused": 2, "reductions_fused": 0}
+    assert [op.type for op in fused.global_block.ops] == ["aten.cumsum.default", FUSED]
+    assert "a" not in fused.global_block.vars  # the intermediate is internal now
+
+    unchanged, report = AutoFusion().run(_chain_program(late_input_first=False), None)
+    assert not report.changed and report.skipped_reason  # mul would have to move above cumsum
+    assert [op.name for op in unchanged.global_block.ops] == ["add", "cumsum", "mul"]
+
+
+def test_a_chain_nobody_reads_is_left_for_dead_code_elimination():
+    program = _chain_program(late_input_first=True)
+    program.fetches = {"output.0": "c"}  # a and d are dead
+    fused, report = AutoFusion().run(program, None)
+    assert not report.changed
+    assert [op.name for op in fused.global_block.ops] == ["cumsum", "add", "mul"]

@@ -37,10 +37,10 @@ class KernelSource:
 
 def reduction_of(steps: tuple, rank: int) -> tuple[tuple[int, ...], bool] | None:
     """(reduced dims, divides by count) of a trailing reduction step, or None for a pointwise group."""
-    op_type, args, _ = steps[-1]
+    op_type, args, kwargs = steps[-1]
     if op_type not in REDUCTIONS:
         return None
-    dims = args[1] if len(args) > 1 else None
+    dims = args[1] if len(args) > 1 else dict(kwargs).get("dim")
     if dims is None or len(dims) == 0:
         dims = tuple(range(rank))
     return tuple(sorted({d % rank for d in dims})), REDUCTIONS[op_type]
