@@ -14,11 +14,10 @@ import fleetc
 from fleetc.cli import main
 from fleetc.ir.serialize import from_dict, program_from_json
 from fleetc.passes.pipeline import build_pipeline
-from fleetc.strategy import resolve_conflicts, resolve_strategy
+from fleetc.strategy import resolve_strategy
 
 TESTS_DIR = pathlib.Path(__file__).resolve().parent
-# What runs under the default strategy (passes whose flag is off by default are not in the pipeline).
-STAGES = ["capture", *(p.name for p in build_pipeline(resolve_conflicts(resolve_strategy(None))[0]))]
+STAGES = ["capture", *(p.name for p in build_pipeline(resolve_strategy(None)))]  # what the default strategy runs
 
 
 def dump(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:

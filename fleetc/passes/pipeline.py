@@ -11,6 +11,7 @@ from typing import Any
 from fleetc.passes.auto_fusion import AutoFusion
 from fleetc.passes.base import Pass
 from fleetc.passes.dce import DeadCodeElimination
+from fleetc.passes.gradient_merge import GradientMerge
 from fleetc.passes.noop_views import RemoveNoopViews
 
 
@@ -20,20 +21,20 @@ def build_pipeline(config: Any) -> list[Pass]:
         RemoveNoopViews(),  # detach/clone/same-shape views from capture hide fusion patterns and cost calls
         # after the named fusion passes: fuses the pointwise chains they leave
         *([AutoFusion()] if config.build_strategy.enable_auto_fusion else []),
+        *([GradientMerge()] if config.gradient_merge else []),  # update once per k steps, on summed gradients
         DeadCodeElimination(),  # results nobody reads (e.g. saved stats of unused outputs)
     ]
 
 
 def all_pass_names() -> list[str]:
     """Every pass name the pipeline can contain (for --disable-pass validation)."""
-    return [RemoveNoopViews.name, AutoFusion.name, DeadCodeElimination.name]
+    return [RemoveNoopViews.name, AutoFusion.name, GradientMerge.name, DeadCodeElimination.name]
 
 
 # Strategy switches whose rewrite is not built yet: (dotted field, what would implement it).
 _PENDING = (
     ("amp", "the AMP pass"),
     ("recompute", "the recompute pass"),
-    ("gradient_merge", "the gradient-merge pass"),
     ("pipeline", "pipeline partitioning"),
     ("sharding", "the sharding pass"),
     ("lars", "the LARS optimizer lowering"),
