@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import fleetc
+from fleetc.codegen.triton import format_kernels
 from fleetc.errors import FleetcError
 from fleetc.ir.liveness import MemoryEstimate
 from fleetc.ir.serialize import program_to_json, to_dict
@@ -131,6 +132,8 @@ def _check_options(options: argparse.Namespace) -> None:
         raise CommandError("--memory applies to --format text only")
     if options.dir is not None and (options.out is not None or options.format == "html"):
         raise CommandError("--dir writes one text or json file per pass: use it without --out and --format html")
+    if options.kernels and (options.format != "text" or options.dir is not None):
+        raise CommandError("--kernels applies to --format text only, without --dir")
 
 
 def _single(options: argparse.Namespace) -> bool:
@@ -200,6 +203,8 @@ def dump_ir(options: argparse.Namespace) -> int:
         text = report_html(records, title=f"fleetc dump-ir {options.factory}")
     else:
         text = _render_text(trainer.history, records, options)
+    if options.kernels:
+        text += format_kernels(records[-1].program)
     if options.out is None:
         sys.stdout.write(text)
         return 0
@@ -242,6 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--memory", action="store_true",
                       help="after each Program, list the estimated live bytes after every op and the peak")
     dump.add_argument("--verify", action="store_true", help="run the IR verifier after every pass")
+    dump.add_argument("--kernels", action="store_true",
+                      help="after the Program, print the Triton source generated for each fused op (text format)")
     return parser
 
 

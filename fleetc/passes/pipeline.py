@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from fleetc.passes.auto_fusion import AutoFusion
 from fleetc.passes.base import Pass
 from fleetc.passes.dce import DeadCodeElimination
 from fleetc.passes.gradient_merge import GradientMerge
@@ -18,6 +19,8 @@ def build_pipeline(config: Any) -> list[Pass]:
     """The passes to run for a strategy config, in order."""
     return [
         RemoveNoopViews(),  # detach/clone/same-shape views from capture hide fusion patterns and cost calls
+        # after the named fusion passes: fuses the pointwise chains they leave
+        *([AutoFusion()] if config.build_strategy.enable_auto_fusion else []),
         *([GradientMerge()] if config.gradient_merge else []),  # update once per k steps, on summed gradients
         DeadCodeElimination(),  # results nobody reads (e.g. saved stats of unused outputs)
     ]
@@ -25,7 +28,7 @@ def build_pipeline(config: Any) -> list[Pass]:
 
 def all_pass_names() -> list[str]:
     """Every pass name the pipeline can contain (for --disable-pass validation)."""
-    return [RemoveNoopViews.name, GradientMerge.name, DeadCodeElimination.name]
+    return [RemoveNoopViews.name, AutoFusion.name, GradientMerge.name, DeadCodeElimination.name]
 
 
 # Strategy switches whose rewrite is not built yet: (dotted field, what would implement it).
@@ -46,7 +49,6 @@ _PENDING = (
     ("build_strategy.fuse_gemm_epilogue", "the gemm-epilogue fusion pass"),
     ("build_strategy.fuse_dropout_add", "the dropout+add fusion pass"),
     ("build_strategy.fuse_all_optimizer_ops", "the fused optimizer pass"),
-    ("build_strategy.enable_auto_fusion", "automatic elementwise fusion"),
     ("build_strategy.fuse_relu_depthwise_conv", "a relu+depthwise-conv fusion pass"),
     ("build_strategy.fuse_broadcast_ops", "a broadcast fusion pass (data parallel only)"),
     ("build_strategy.enable_inplace", "in-place memory reuse"),
