@@ -96,12 +96,12 @@ class _CastRewriter:
         with self.mode:
             return torch.empty(var.shape, dtype=getattr(torch, dtype), device=var.device)
 
-    def infer(self, op: Op, dtypes: dict[str, str], kwargs: dict) -> list | None:
+    def infer(self, op: Op, dtypes: dict[str, str], args: tuple, kwargs: dict) -> list | None:
         """Output values of `op` with its inputs in `dtypes` (fake tensors), or None if it rejects them."""
         to_fake = lambda r: self.fake(r.name, dtypes.get(r.name, self.program.var(r.name).dtype))  # noqa: E731
         try:
             with self.mode:
-                result = resolve_callable(op.type)(*map_refs(op.args, to_fake), **map_refs(kwargs, to_fake))
+                result = resolve_callable(op.type)(*map_refs(args, to_fake), **map_refs(kwargs, to_fake))
         except Exception:  # noqa: BLE001 (any rejection means: run this op in float32 instead)
             return None
         return list(result) if isinstance(result, (tuple, list)) else [result]
@@ -137,18 +137,25 @@ class _CastRewriter:
             name not in fetched and self.readers.get(name) and all(self.runs_low(r) for r in self.readers[name])
             for name in op.defined)
 
-    def plan(self, op: Op) -> tuple[str, dict[str, str], dict, list]:
-        """Target dtype, input casts, kwargs and fake outputs for an aten op; float32 when low precision fails."""
+    def plan(self, op: Op) -> tuple[str, dict[str, str], tuple, dict, list]:
+        """Target dtype, input casts, args, kwargs and fake outputs for an aten op; float32 when low precision fails."""
         for target in dict.fromkeys([self.target_dtype(op), FLOAT32]):
             casts = {n: target for n in op.inputs if self.castable(n) and self.program.var(n).dtype != target}
-            kwargs = dict(op.kwargs)
+            args, kwargs = self._with_input_dtype(op, target), dict(op.kwargs)
             if target == FLOAT32 and casts and self._accumulates_in(op, kwargs):
                 # A reduction with a dtype argument reads low precision and accumulates in float32: no cast.
                 kwargs["dtype"], casts = torch.float32, {}
-            results = self.infer(op, casts, kwargs)
+            results = self.infer(op, casts, args, kwargs)
             if results is not None:
-                return target, casts, kwargs, results
+                return target, casts, args, kwargs, results
         raise PassError(f"op {op.name!r} ({op.type}) accepts neither low-precision nor float32 inputs")
+
+    @staticmethod
+    def _with_input_dtype(op: Op, target: str) -> tuple:
+        """Backward ops such as `_softmax_backward_data` name their forward input's dtype: now `target`."""
+        schema = resolve_callable(op.type)._schema
+        return tuple(getattr(torch, target) if arg.name == "input_dtype" and isinstance(value, torch.dtype) else value
+                     for arg, value in zip(schema.arguments, op.args))
 
     @staticmethod
     def _accumulates_in(op: Op, kwargs: dict) -> bool:
@@ -162,11 +169,11 @@ class _CastRewriter:
             self.ops.append(op)
             return
         changed = any(self.program.var(n).dtype != self.original.get(n) for n in op.inputs)
-        target, casts, kwargs, results = self.plan(op)
-        if casts or changed or kwargs != op.kwargs:
+        target, casts, args, kwargs, results = self.plan(op)
+        if casts or changed or kwargs != op.kwargs or args != op.args:
             if kwargs.get("dtype") is torch.float32 and op.kwargs.get("dtype") is None:
                 self.report.count("reductions_accumulating_in_float32")
-            op.kwargs = kwargs
+            op.args, op.kwargs = args, kwargs
             op.rename_inputs({n: self.cast(n, dtype, op, len(self.ops)) for n, dtype in casts.items()})
             for name, value in zip(op.outputs, results):
                 if name is not None and isinstance(value, torch.Tensor):
