@@ -4,6 +4,7 @@ from fleetc.capture.device_guard import device_guard
 from fleetc.compiler import CompiledTrainer, compile
 from fleetc.errors import (
     CaptureError,
+    CheckpointError,
     FleetcError,
     PassError,
     StrategyError,
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Block", "BuildStrategy", "CaptureError", "CompileReport", "CompiledTrainer", "DistributedStrategy",
+    "CheckpointError",
     "ExecutionStrategy", "FleetcError", "Op", "OpRole", "PassError", "Program", "Strategy", "StrategyError",
     "UnsupportedOptimizerError", "Var", "VarKind", "VerificationError", "compile", "device_guard",
 ]

@@ -23,3 +23,7 @@ class PassError(FleetcError):
 
 class UnsupportedOptimizerError(FleetcError, TypeError):
     """The optimizer has no Program lowering; lists the supported ones."""
+
+
+class CheckpointError(FleetcError, ValueError):
+    """A trainer state_dict is malformed or does not fit the compiled Program's fleetc-owned state."""

@@ -11,6 +11,7 @@ from typing import Any
 from fleetc.passes.amp import AutoMixedPrecision
 from fleetc.passes.base import Pass
 from fleetc.passes.dce import DeadCodeElimination
+from fleetc.passes.gradient_merge import GradientMerge
 from fleetc.passes.noop_views import RemoveNoopViews
 
 
@@ -19,13 +20,14 @@ def build_pipeline(config: Any) -> list[Pass]:
     return [
         RemoveNoopViews(),  # detach/clone/same-shape views from capture hide fusion patterns and cost calls
         *([AutoMixedPrecision()] if config.amp else []),  # casts first: later passes see the final dtypes
+        *([GradientMerge()] if config.gradient_merge else []),  # update once per k steps, on summed gradients
         DeadCodeElimination(),  # results nobody reads (e.g. saved stats of unused outputs)
     ]
 
 
 def all_pass_names() -> list[str]:
     """Every pass name the pipeline can contain (for --disable-pass validation)."""
-    return [RemoveNoopViews.name, AutoMixedPrecision.name, DeadCodeElimination.name]
+    return [RemoveNoopViews.name, AutoMixedPrecision.name, GradientMerge.name, DeadCodeElimination.name]
 
 
 # Strategy switches whose rewrite is not built yet: (dotted field, what would implement it).
@@ -33,7 +35,6 @@ _PENDING = (
     ("amp_configs.use_pure_fp16", "low-precision parameters with float32 master copies (amp keeps float32 "
                                   "parameters and casts them per use)"),
     ("recompute", "the recompute pass"),
-    ("gradient_merge", "the gradient-merge pass"),
     ("pipeline", "pipeline partitioning"),
     ("sharding", "the sharding pass"),
     ("lars", "the LARS optimizer lowering"),

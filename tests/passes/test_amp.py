@@ -146,10 +146,34 @@ def test_scale_and_counters_are_persistable_counters_that_resume():
         trainer.step(*entry.make_batch(g)[0])
     kinds = {v.name: v.kind for v in trainer.program.persistables()}
     assert {kinds[n] for n in ("loss_scaling", "num_good_steps", "num_bad_steps")} == {VarKind.COUNTER}
+    checkpoint = trainer.state_dict()
     resumed, _ = amp_trainer(init_loss_scaling=8.0, incr_every_n_steps=3)
-    resumed.counters.update({k: v.clone() for k, v in trainer.counters.items()})  # what a checkpoint restores
+    resumed.load_state_dict(checkpoint)
     resumed.step(*entry.make_batch(g)[0])
     assert counters(resumed) == (16.0, 0, 0), "the third clean step in a row grows the resumed scale"
+
+
+def test_amp_with_gradient_merge_skips_the_merged_update_when_a_micro_step_overflows():
+    entry = ZOO["mlp"]
+    torch.manual_seed(0)
+    model = entry.make_model()
+    strategy = amp_strategy(init_loss_scaling=8.0, incr_every_n_steps=2)
+    strategy.gradient_merge = True
+    strategy.gradient_merge_configs = {"k_steps": 2, "avg": True}
+    trainer = fleetc.compile(model, strategy, optimizer=OPTIMIZERS["adam"](model.parameters()),
+                             loss_fn=entry.loss_fn, verify=True)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        trainer.step(*entry.make_batch(g)[0])
+    assert counters(trainer) == (8.0, 1, 0), "the scale rule runs once per merged update"
+    after_first_update = copy.deepcopy(model.state_dict())
+    trainer.step(*poisoned(entry.make_batch(g)[0]))
+    trainer.step(*entry.make_batch(g)[0])
+    assert all(torch.equal(after_first_update[k], v) for k, v in model.state_dict().items())
+    assert counters(trainer) == (8.0, 0, 1)
+    for _ in range(4):
+        trainer.step(*entry.make_batch(g)[0])
+    assert counters(trainer) == (16.0, 0, 0)
 
 
 def test_found_inf_check_and_unscale_is_one_fused_op():
