@@ -17,9 +17,15 @@ def scale_loss_grad(seed: torch.Tensor, loss_scaling: torch.Tensor, init_loss_sc
     return (seed * loss_scaling,)
 
 
-@register_op("check_finite_and_unscale", "divide every gradient by the loss scale and flag any inf/nan, in one fused op")
+@register_op("check_finite_and_unscale", "divide all gradients by the loss scale and flag any inf/nan, in one op")
 def check_finite_and_unscale(grads: list[torch.Tensor], loss_scaling: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Returns the unscaled gradients (the input tensors, updated in place) and found_inf (1.0 on overflow)."""
+    seen: set[int] = set()
+    for i, grad in enumerate(grads):  # gradients that are views of one storage must not be unscaled twice
+        storage = grad.untyped_storage().data_ptr()
+        if storage in seen:
+            grads[i] = grad.clone()
+        seen.add(grads[i].untyped_storage().data_ptr())
     found_inf = torch.zeros(1, dtype=torch.float32, device=loss_scaling.device)
     inv_scale = loss_scaling.double().reciprocal().float().reshape(1)
     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)

@@ -57,8 +57,8 @@ def insert_loss_scaling(program: Program, cfg: Any, report: PassReport) -> None:
     sub = program.new_block(0)
     sub.ops = updates
     block.ops[first_update:] = [
-        Op(program.unique_name("check_finite_and_unscale"), "fleetc.check_finite_and_unscale", ([Ref(g) for g in grads], Ref(LOSS_SCALING)),
-           outputs=[*unscaled, found_inf], attrs=_attrs(OpRole.OPTIMIZE)),
+        Op(program.unique_name("check_finite_and_unscale"), "fleetc.check_finite_and_unscale",
+           ([Ref(g) for g in grads], Ref(LOSS_SCALING)), outputs=[*unscaled, found_inf], attrs=_attrs(OpRole.OPTIMIZE)),
         Op(program.unique_name("grads_finite_check"), "aten.logical_not.default", (Ref(found_inf),), outputs=[finite],
            attrs=_attrs(OpRole.OPTIMIZE)),
         Op(program.unique_name("update_if_grads_finite"), CONDITIONAL_BLOCK, (Ref(finite),), outputs=[],

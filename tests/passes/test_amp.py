@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import fleetc
 from conftest import run_side_by_side
 from fleetc.ir.program import VarKind
-from fleetc.ops.amp import update_loss_scaling
+from fleetc.ops.amp import check_finite_and_unscale, update_loss_scaling
 from fleetc.passes.amp_lists import DEFAULT_BLACK
 from zoo import OPTIMIZERS, ZOO
 
@@ -77,6 +77,14 @@ def test_update_rule_floors_at_one_and_keeps_a_finite_scale():
     assert run(1.0, True, **rule) == 1.0
     assert run(3e38, False, **rule) == pytest.approx(3e38)  # 6e38 overflows float32: keep the old scale
     assert run(4.0, False, **rule) == 8.0
+
+
+def test_fused_unscale_divides_each_gradient_once_even_when_they_share_storage():
+    packed = torch.full((4,), 8.0)
+    *grads, found_inf = check_finite_and_unscale([packed[:2], packed[2:], packed[:2].view(2)], torch.tensor(4.0))
+    assert [g.tolist() for g in grads] == [[2.0, 2.0]] * 3 and found_inf.item() == 0
+    *_, found_inf = check_finite_and_unscale([torch.ones(2), torch.tensor([1.0, float("nan")])], torch.tensor(4.0))
+    assert found_inf.item() == 1
 
 
 def test_real_fp16_overflow_from_a_huge_scale_halves_it_and_skips_those_updates():
@@ -209,7 +217,8 @@ def test_bf16_program_runs_matmuls_in_bf16_and_statistics_in_fp32(zoo_name):
     program = trainer.program
     matmuls = [op for _, op in program.walk_ops() if op.type in MATMULS]
     assert matmuls and all(float_dtypes(program, op) == {"bfloat16"} for op in matmuls)
-    black = [op for _, op in program.walk_ops() if op.type.startswith("aten.") and op.type.split(".")[1] in DEFAULT_BLACK]
+    black = [op for _, op in program.walk_ops()
+             if op.type.startswith("aten.") and op.type.split(".")[1] in DEFAULT_BLACK]
     assert black and all("bfloat16" not in {program.var(n).dtype for n in op.defined} for op in black)
     params = [v for v in program.persistables() if v.kind is VarKind.PARAM]
     assert params and all(v.dtype == "float32" for v in params), "master weights stay fp32"
