@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import fleetc
 from conftest import run_side_by_side
 from fleetc.ir.program import VarKind
+from fleetc.ir.serialize import program_from_json, program_to_json
 from fleetc.ops.amp import check_finite_and_unscale, update_loss_scaling
 from fleetc.passes.amp_lists import DEFAULT_BLACK
 from zoo import OPTIMIZERS, ZOO
@@ -194,6 +195,9 @@ def test_found_inf_check_and_unscale_is_one_fused_op():
     assert all(trainer.program.var(g.name).dtype == "float32" for g in checks[0].args[0])
     conditional = next(op for op in ops if op.type == "fleetc.conditional_block")
     assert trainer.program.blocks[conditional.sub_block].ops == updates, "every update sits in the skip block"
+    text = str(trainer.program)
+    assert "fleetc.conditional_block(grads_finite)" in text and "block 1 (parent 0) {" in text
+    assert str(program_from_json(program_to_json(trainer.program))) == text, "casts' dtypes survive JSON"
 
 
 # ----- casts ----------------------------------------------------------------------------------
