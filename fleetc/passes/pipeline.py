@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from fleetc.passes.amp import AutoMixedPrecision
 from fleetc.passes.auto_fusion import AutoFusion
 from fleetc.passes.base import Pass
 from fleetc.passes.dce import DeadCodeElimination
@@ -19,6 +20,7 @@ def build_pipeline(config: Any) -> list[Pass]:
     """The passes to run for a strategy config, in order."""
     return [
         RemoveNoopViews(),  # detach/clone/same-shape views from capture hide fusion patterns and cost calls
+        *([AutoMixedPrecision()] if config.amp else []),  # casts first: later passes see the final dtypes
         # after the named fusion passes: fuses the pointwise chains they leave
         *([AutoFusion()] if config.build_strategy.enable_auto_fusion else []),
         *([GradientMerge()] if config.gradient_merge else []),  # update once per k steps, on summed gradients
@@ -28,12 +30,14 @@ def build_pipeline(config: Any) -> list[Pass]:
 
 def all_pass_names() -> list[str]:
     """Every pass name the pipeline can contain (for --disable-pass validation)."""
-    return [RemoveNoopViews.name, AutoFusion.name, GradientMerge.name, DeadCodeElimination.name]
+    return [RemoveNoopViews.name, AutoMixedPrecision.name, AutoFusion.name, GradientMerge.name,
+            DeadCodeElimination.name]
 
 
 # Strategy switches whose rewrite is not built yet: (dotted field, what would implement it).
 _PENDING = (
-    ("amp", "the AMP pass"),
+    ("amp_configs.use_pure_fp16", "low-precision parameters with float32 master copies (amp keeps float32 "
+                                  "parameters and casts them per use)"),
     ("recompute", "the recompute pass"),
     ("pipeline", "pipeline partitioning"),
     ("sharding", "the sharding pass"),
