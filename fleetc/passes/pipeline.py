@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from fleetc.passes.allreduce import InsertAllreduce
+from fleetc.passes.allreduce_fusion import FuseAllreduce
+from fleetc.passes.allreduce_overlap import OverlapAllreduce
 from fleetc.passes.base import Pass
 from fleetc.passes.dce import DeadCodeElimination
 from fleetc.passes.noop_views import RemoveNoopViews
@@ -17,13 +20,17 @@ def build_pipeline(config: Any) -> list[Pass]:
     """The passes to run for a strategy config, in order."""
     return [
         RemoveNoopViews(),  # detach/clone/same-shape views from capture hide fusion patterns and cost calls
+        InsertAllreduce(),  # data parallel only: average every gradient across ranks
+        FuseAllreduce(),  # one flat buffer and one collective per bucket of gradients
+        OverlapAllreduce(),  # wait for a bucket just before its first consumer (sync_nccl_allreduce=False)
         DeadCodeElimination(),  # results nobody reads (e.g. saved stats of unused outputs)
     ]
 
 
 def all_pass_names() -> list[str]:
     """Every pass name the pipeline can contain (for --disable-pass validation)."""
-    return [RemoveNoopViews.name, DeadCodeElimination.name]
+    return [RemoveNoopViews.name, InsertAllreduce.name, FuseAllreduce.name, OverlapAllreduce.name,
+            DeadCodeElimination.name]
 
 
 # Strategy switches whose rewrite is not built yet: (dotted field, what would implement it).
@@ -38,7 +45,6 @@ _PENDING = (
     ("localsgd", "LocalSGD"),
     ("adaptive_localsgd", "adaptive LocalSGD"),
     ("sync_batch_norm", "data-parallel training"),
-    ("use_hierarchical_allreduce", "data-parallel training"),
     ("build_strategy.fuse_elewise_add_act_ops", "the elementwise add+activation fusion pass"),
     ("build_strategy.fuse_bn_act_ops", "the batch-norm+activation fusion pass"),
     ("build_strategy.fuse_bn_add_act_ops", "the batch-norm+add+activation fusion pass"),
