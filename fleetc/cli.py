@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import fleetc
+from fleetc.distributed.launch import add_run_command
 from fleetc.errors import FleetcError
 from fleetc.ir.liveness import MemoryEstimate
 from fleetc.ir.serialize import program_to_json, to_dict
@@ -222,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--memory", action="store_true",
                       help="after each Program, list the estimated live bytes after every op and the peak")
     dump.add_argument("--verify", action="store_true", help="run the IR verifier after every pass")
+    add_run_command(commands)
     return parser
 
 

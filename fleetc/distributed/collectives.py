@@ -38,7 +38,7 @@ def _run(label: str, fn, *args, **kwargs) -> Any:
     try:
         return fn(*args, **kwargs)
     except RuntimeError as exc:
-        raise collective_failed(label, exc, timeout.total_seconds()) from exc
+        raise collective_failed(f"gradient allreduce {label!r}", exc, timeout.total_seconds()) from exc
 
 
 def _wait(label: str, work: Any) -> None:
@@ -46,7 +46,7 @@ def _wait(label: str, work: Any) -> None:
     try:
         work.wait(timeout)
     except RuntimeError as exc:
-        raise collective_failed(label, exc, timeout.total_seconds()) from exc
+        raise collective_failed(f"gradient allreduce {label!r}", exc, timeout.total_seconds()) from exc
 
 
 @register_op("c_allreduce_start", "pack gradients into one flat buffer and issue its averaging allreduce (async)")

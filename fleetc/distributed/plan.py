@@ -38,7 +38,7 @@ def check_plans_agree(program: Program) -> None:
     gathered = torch.empty(dist.get_world_size(), dtype=torch.int64)
     timeout = collective_timeout()
     try:
-        dist.all_gather_into_tensor(gathered, mine, async_op=True).wait(timeout)
+        dist.all_gather_single(gathered, mine, async_op=True).wait(timeout)
     except RuntimeError as exc:
         raise collective_failed("plan check (hash exchange before the first step)", exc,
                                 timeout.total_seconds()) from exc

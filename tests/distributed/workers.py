@@ -75,9 +75,9 @@ def faults(rank: int, args: dict, out_dir: str) -> None:
     trainer.step(*batch)
     torch.save(outcome, os.path.join(out_dir, f"rank{rank}.pt"))
     if rank == 1:
-        if args["mode"] == "die":
-            os._exit(3)
-        time.sleep(120)
+        if args["mode"] == "hang":
+            time.sleep(args["hang_s"])  # far past the survivors' timeout, then exit without a word
+        os._exit(3)
     start = time.monotonic()
     try:
         trainer.step(*batch)
