@@ -33,46 +33,54 @@ class PendingAllreduce:
     group: str
 
 
-def _run(label: str, fn, *args, **kwargs) -> Any:
+def run_collective(label: str, fn, *args, **kwargs) -> Any:
+    """Issue a torch.distributed call; a failure becomes a CollectiveError naming `label` and the missing ranks."""
     timeout = collective_timeout()
     try:
         return fn(*args, **kwargs)
     except RuntimeError as exc:
-        raise collective_failed(f"gradient allreduce {label!r}", exc, timeout.total_seconds()) from exc
+        raise collective_failed(label, exc, timeout.total_seconds()) from exc
 
 
-def _wait(label: str, work: Any) -> None:
+def wait_collective(label: str, work: Any) -> None:
+    """Wait for issued work, at most the collective timeout."""
     timeout = collective_timeout()
     try:
         work.wait(timeout)
     except RuntimeError as exc:
-        raise collective_failed(f"gradient allreduce {label!r}", exc, timeout.total_seconds()) from exc
+        raise collective_failed(label, exc, timeout.total_seconds()) from exc
+
+
+def blocking_collective(label: str, fn, *args, **kwargs) -> None:
+    """Issue a torch.distributed call and wait for it, at most the collective timeout."""
+    wait_collective(label, run_collective(label, fn, *args, async_op=True, **kwargs))
 
 
 @register_op("c_allreduce_start", "pack gradients into one flat buffer and issue its averaging allreduce (async)")
 def c_allreduce_start(grads: list, group: str, algorithm: str, label: str) -> tuple[torch.Tensor, PendingAllreduce]:
     # Always a fresh buffer: a gradient may share storage with values backward still reads.
     flat = torch.cat([g.reshape(-1) for g in grads])
+    label = f"gradient allreduce {label!r}"
     if algorithm == HIERARCHICAL:
         intra = f"intra:{group}"
         root = groups.group_ranks(intra)[0]
-        work = _run(label, dist.reduce, flat, root, op=dist.ReduceOp.SUM, group=groups.group(intra), async_op=True)
+        work = run_collective(label, dist.reduce, flat, root, op=dist.ReduceOp.SUM, group=groups.group(intra),
+                              async_op=True)
     else:
-        work = _run(label, dist.all_reduce, flat, op=dist.ReduceOp.AVG, group=groups.group(f"dp:{group}"),
-                    async_op=True)
+        work = run_collective(label, dist.all_reduce, flat, op=dist.ReduceOp.AVG, group=groups.group(f"dp:{group}"),
+                              async_op=True)
     return flat, PendingAllreduce(work, label, algorithm, group)
 
 
 @register_op("c_allreduce_wait", "wait for a bucket's allreduce; the averaged gradients are views of its buffer")
 def c_allreduce_wait(flat: torch.Tensor, pending: PendingAllreduce, shapes: list) -> torch.Tensor | tuple:
-    _wait(pending.label, pending.work)
+    wait_collective(pending.label, pending.work)
     if pending.algorithm == HIERARCHICAL:
         intra, inter = f"intra:{pending.group}", f"inter:{pending.group}"
         root = groups.group_ranks(intra)[0]
         if dist.get_rank() == root:
-            _wait(pending.label, _run(pending.label, dist.all_reduce, flat, op=dist.ReduceOp.SUM,
-                                      group=groups.group(inter), async_op=True))
-        _wait(pending.label, _run(pending.label, dist.broadcast, flat, root, group=groups.group(intra), async_op=True))
+            blocking_collective(pending.label, dist.all_reduce, flat, op=dist.ReduceOp.SUM, group=groups.group(inter))
+        blocking_collective(pending.label, dist.broadcast, flat, root, group=groups.group(intra))
         flat.div_(dist.get_world_size())
     views, offset = [], 0
     for shape in shapes:

@@ -14,12 +14,14 @@ from fleetc.passes.allreduce_overlap import OverlapAllreduce
 from fleetc.passes.base import Pass
 from fleetc.passes.dce import DeadCodeElimination
 from fleetc.passes.noop_views import RemoveNoopViews
+from fleetc.passes.sync_batch_norm import SyncBatchNorm
 
 
 def build_pipeline(config: Any) -> list[Pass]:
     """The passes to run for a strategy config, in order."""
     return [
         RemoveNoopViews(),  # detach/clone/same-shape views from capture hide fusion patterns and cost calls
+        SyncBatchNorm(),  # data parallel only: batch-norm statistics over all ranks' samples
         InsertAllreduce(),  # data parallel only: average every gradient across ranks
         FuseAllreduce(),  # one flat buffer and one collective per bucket of gradients
         OverlapAllreduce(),  # wait for a bucket just before its first consumer (sync_nccl_allreduce=False)
@@ -29,8 +31,8 @@ def build_pipeline(config: Any) -> list[Pass]:
 
 def all_pass_names() -> list[str]:
     """Every pass name the pipeline can contain (for --disable-pass validation)."""
-    return [RemoveNoopViews.name, InsertAllreduce.name, FuseAllreduce.name, OverlapAllreduce.name,
-            DeadCodeElimination.name]
+    return [RemoveNoopViews.name, SyncBatchNorm.name, InsertAllreduce.name, FuseAllreduce.name,
+            OverlapAllreduce.name, DeadCodeElimination.name]
 
 
 # Strategy switches whose rewrite is not built yet: (dotted field, what would implement it).
@@ -44,7 +46,6 @@ _PENDING = (
     ("lamb", "the LAMB optimizer lowering"),
     ("localsgd", "LocalSGD"),
     ("adaptive_localsgd", "adaptive LocalSGD"),
-    ("sync_batch_norm", "data-parallel training"),
     ("build_strategy.fuse_elewise_add_act_ops", "the elementwise add+activation fusion pass"),
     ("build_strategy.fuse_bn_act_ops", "the batch-norm+activation fusion pass"),
     ("build_strategy.fuse_bn_add_act_ops", "the batch-norm+add+activation fusion pass"),
