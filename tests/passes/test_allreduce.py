@@ -11,6 +11,7 @@ from fleetc.passes.allreduce import START, WAIT, InsertAllreduce, gradient_vars
 from fleetc.passes.allreduce_fusion import MB, FuseAllreduce, plan_buckets
 from fleetc.passes.allreduce_overlap import OverlapAllreduce
 from fleetc.passes.dce import DeadCodeElimination
+from fleetc.passes.sync_batch_norm import SyncBatchNorm
 from fleetc.passes.instruments import VerifyInstrument
 from fleetc.passes.manager import History, PassManager, PassRecord
 from fleetc.passes.base import PassReport
@@ -42,7 +43,7 @@ def _run(program: Program, world: int = 2, **fields) -> tuple[Program, History]:
     for key, value in fields.items():
         setattr(strategy, key, value)
     history = History([PassRecord("start", program, PassReport("start"), 0.0, estimate_memory(program))])
-    passes = [InsertAllreduce(), FuseAllreduce(), OverlapAllreduce(), DeadCodeElimination()]
+    passes = [SyncBatchNorm(), InsertAllreduce(), FuseAllreduce(), OverlapAllreduce(), DeadCodeElimination()]
     final = PassManager(passes, [VerifyInstrument()]).run(program, resolve_strategy(strategy), history)
     return final, history
 
@@ -129,3 +130,16 @@ def test_hierarchical_needs_a_node_size_that_divides_the_world(programs):
     program, _ = _run(programs["mlp"], world=4, use_hierarchical_allreduce=True, hierarchical_allreduce_inter_nranks=2)
     assert {op.args[2] for op in program.global_block.ops if op.type == START} == {"hierarchical"}
     assert program.metadata["collective_groups"] == {"intra:0": [[0, 1], [2, 3]], "inter:0": [[0, 2], [1, 3]]}
+
+
+def test_sync_batch_norm_replaces_training_batch_norms_and_their_backwards(programs):
+    program, history = _run(programs["cnn"], sync_batch_norm=True)
+    types = _types(program)
+    assert types.count("fleetc.sync_batch_norm") == 5 and types.count("fleetc.sync_batch_norm_backward") == 5
+    assert "aten._native_batch_norm_legit_functional.default" not in types
+    assert all(OpRole.COLLECTIVE in op.role for op in program.global_block.ops if "sync_batch_norm" in op.type)
+    assert history["sync_batch_norm"].report.stats == {"batch_norms_synced": 5, "backwards_synced": 5}
+    _, single = _run(programs["cnn"], world=1, sync_batch_norm=True)
+    assert single["sync_batch_norm"].report.skipped_reason == "single process: no collectives needed"
+    _, no_bn = _run(programs["mlp"], sync_batch_norm=True)
+    assert no_bn["sync_batch_norm"].report.skipped_reason == "the Program has no training-mode batch norm"
