@@ -88,7 +88,5 @@ def init_process_group(role: Role) -> None:
     if role.world_size == 1 or dist.is_initialized():
         return
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    host, _, port = role.endpoints[0].rpartition(":")
-    os.environ.setdefault("MASTER_ADDR", host)
-    os.environ.setdefault("MASTER_PORT", port)
-    dist.init_process_group(backend, rank=role.rank, world_size=role.world_size, timeout=collective_timeout())
+    dist.init_process_group(backend, init_method=f"tcp://{role.endpoints[0]}", rank=role.rank,
+                            world_size=role.world_size, timeout=collective_timeout())

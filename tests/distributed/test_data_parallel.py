@@ -86,6 +86,10 @@ def test_two_ranks_match_single_process_training(tmp_path):
     assert cnn["report"]["overlap_allreduce"]["waits_moved"] == 5
     assert set(cnn["groups"]) == {"dp:0", "dp:1"}
     assert synced["report"]["sync_batch_norm"] == {"batch_norms_synced": 5, "backwards_synced": 5}
+    torch.manual_seed(0)
+    _, eager_state = reference("mlp", "sgd", 2, 2, ZOO["mlp"].make_model().state_dict(), False)
+    for name, want in eager_state.items():
+        torch.testing.assert_close(results[1].result["eager"]["state"][name], want, rtol=1e-5, atol=1e-6)
 
 
 FOUR_RANK_CONFIGS = [

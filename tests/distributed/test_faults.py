@@ -11,7 +11,7 @@ TIMEOUT_S = 4.0
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["die", "hang"])
 def test_missing_rank_fails_the_survivor_within_the_timeout(tmp_path, mode):
-    results = spawn(2, "faults", {"mode": mode, "hang_s": 12}, tmp_path, deadline_s=60,
+    results = spawn(2, "faults", {"mode": mode, "hang_s": 15}, tmp_path, deadline_s=60,
                     collective_timeout_s=TIMEOUT_S)
     survivor, missing = results
     assert survivor.returncode == 0, survivor.output[-3000:]
@@ -22,6 +22,6 @@ def test_missing_rank_fails_the_survivor_within_the_timeout(tmp_path, mode):
     assert "second_step" not in outcome
     assert "bucket0" in outcome["error"] and "rank(s) [1] did not reach it" in outcome["error"]
     # the timeout (hang) or the broken connection (death), plus the window for survivors to report
-    assert outcome["seconds"] < TIMEOUT_S + 3.0 + 2.0
+    assert outcome["seconds"] < TIMEOUT_S + 3.0 + 5.0
     if mode == "hang":
         assert outcome["seconds"] > TIMEOUT_S - 0.5  # it waited for the timeout, not less

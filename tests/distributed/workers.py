@@ -47,10 +47,25 @@ def train(rank: int, world: int, config: dict) -> dict:
             "groups": trainer.program.metadata["collective_groups"]}
 
 
+def train_eagerly(rank: int, world: int, steps: int) -> dict:
+    """A hand-written loop with fleet's optimizer: `step()` averages the gradients before updating."""
+    entry = ZOO["mlp"]
+    torch.manual_seed(0)
+    model = entry.make_model()
+    opt = fleet.distributed_optimizer(OPTIMIZERS["sgd"](model.parameters()))
+    for batch in global_batches("mlp", steps):
+        x, y = shard(batch, rank, world)
+        opt.clear_grad()
+        entry.loss_fn(model(x), y).backward()
+        opt.step()
+    return {"state": model.state_dict()}
+
+
 def train_configs(rank: int, args: dict, out_dir: str) -> None:
     fleet.init(is_collective=True)
     results = {"endpoints": fleet.worker_endpoints(), "index": fleet.worker_index(), "num": fleet.worker_num()}
     results["runs"] = [train(rank, fleet.worker_num(), config) for config in args["configs"]]
+    results["eager"] = train_eagerly(rank, fleet.worker_num(), 2)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     fleet.barrier_worker()
     fleet.stop_worker()
