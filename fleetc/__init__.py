@@ -4,6 +4,7 @@ from fleetc.capture.device_guard import device_guard
 from fleetc.compiler import CompiledTrainer, compile
 from fleetc.errors import (
     CaptureError,
+    CollectiveError,
     FleetcError,
     PassError,
     StrategyError,
@@ -17,7 +18,8 @@ from fleetc.strategy import BuildStrategy, DistributedStrategy, ExecutionStrateg
 __version__ = "0.1.0"
 
 __all__ = [
-    "Block", "BuildStrategy", "CaptureError", "CompileReport", "CompiledTrainer", "DistributedStrategy",
+    "Block", "BuildStrategy", "CaptureError", "CollectiveError", "CompileReport", "CompiledTrainer",
+    "DistributedStrategy",
     "ExecutionStrategy", "FleetcError", "Op", "OpRole", "PassError", "Program", "Strategy", "StrategyError",
     "UnsupportedOptimizerError", "Var", "VarKind", "VerificationError", "compile", "device_guard",
 ]

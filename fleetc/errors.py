@@ -23,3 +23,7 @@ class PassError(FleetcError):
 
 class UnsupportedOptimizerError(FleetcError, TypeError):
     """The optimizer has no Program lowering; lists the supported ones."""
+
+
+class CollectiveError(FleetcError, RuntimeError):
+    """A collective failed or timed out, or ranks planned different collectives; names the collective and the ranks."""

@@ -1,4 +1,4 @@
-"""Gradient allreduce ops (role collective): one flat buffer per bucket, issued asynchronously, waited on with a timeout.
+"""Gradient allreduce ops (role collective): one flat buffer per bucket, issued async, waited on with a timeout.
 
 `fleetc.c_allreduce_start` packs a bucket's gradients into one flat buffer (one copy) and issues
 the averaging allreduce; `fleetc.c_allreduce_wait` waits for it and returns the averaged gradients

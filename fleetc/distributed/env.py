@@ -15,10 +15,6 @@ DEFAULT_TIMEOUT_S = 300.0
 TIMEOUT_ENV = "FLEETC_COLLECTIVE_TIMEOUT"
 
 
-class CollectiveError(FleetcError, RuntimeError):
-    """A collective failed or timed out; names the collective and the ranks that did not reach it."""
-
-
 @dataclass(frozen=True)
 class Role:
     """Who this process is in the job: its rank, the world size and every worker's host:port."""
@@ -40,7 +36,7 @@ def role_from_environment() -> Role:
     if missing:
         return Role(0, 1, ("127.0.0.1:0",))
     world = int(os.environ["WORLD_SIZE"])
-    # torchrun publishes only the rendezvous endpoint; peers' addresses are exchanged after joining (`exchange_endpoints`).
+    # torchrun publishes only the rendezvous endpoint; peers' addresses are exchanged after joining.
     master = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     return Role(int(os.environ["RANK"]), world, (master,) * world)
 
@@ -87,6 +83,9 @@ def init_process_group(role: Role) -> None:
     """Join the job's default process group (gloo on CPU, NCCL when CUDA is available), bounded by the timeout."""
     if role.world_size == 1 or dist.is_initialized():
         return
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = "gloo"
+    if torch.cuda.is_available():  # CPU tensors over gloo, CUDA tensors over NCCL, one GPU per local rank
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", role.rank)) % torch.cuda.device_count())
+        backend = "cpu:gloo,cuda:nccl"
     dist.init_process_group(backend, init_method=f"tcp://{role.endpoints[0]}", rank=role.rank,
                             world_size=role.world_size, timeout=collective_timeout())

@@ -5,7 +5,7 @@ import time
 
 import torch.distributed as dist
 
-from fleetc.distributed.env import CollectiveError
+from fleetc.errors import CollectiveError
 
 REPORT_WINDOW_S = 3.0  # how long survivors wait for each other to report before naming the missing ranks
 _failures = 0

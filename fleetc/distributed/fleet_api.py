@@ -90,7 +90,7 @@ class Fleet:
 
     def distributed_model(self, model: nn.Module, loss_fn: Callable | None = None,
                           **compile_options: Any) -> DataParallelTrainer:
-        """The data-parallel compiled trainer of `model` with the last `distributed_optimizer`'s optimizer and strategy."""
+        """The data-parallel trainer of `model`, with the last `distributed_optimizer`'s optimizer and strategy."""
         if self.optimizer is None:
             raise FleetcError("call fleet.distributed_optimizer(optimizer, strategy) before fleet.distributed_model")
         return self.compile(model, self.optimizer, loss_fn=loss_fn, **compile_options)

@@ -10,7 +10,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from fleetc.distributed.env import CollectiveError, collective_timeout
+from fleetc.distributed.env import collective_timeout
+from fleetc.errors import CollectiveError
 
 _GROUPS: dict[tuple, Any] = {}
 _BY_NAME: dict[str, tuple] = {}

@@ -44,7 +44,8 @@ def torchrun_arguments(options: argparse.Namespace) -> list[str]:
         raise CommandError(f"training script {options.script!r} does not exist")
     ips = [ip.strip() for ip in (options.ips or "").split(",") if ip.strip()]
     if len(ips) > 1:
-        where = ["--nnodes", str(len(ips)), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{ips[0]}:{options.master_port}"]
+        where = ["--nnodes", str(len(ips)), "--rdzv_backend", "c10d",
+                 "--rdzv_endpoint", f"{ips[0]}:{options.master_port}"]
     else:
         where = ["--standalone"]
     return [*where, "--nproc_per_node", str(nproc), "--max_restarts", "0", options.script, *options.script_args]

@@ -1,4 +1,4 @@
-"""`fleet.distributed_optimizer`: a torch optimizer plus the strategy to compile its model with, Paddle's methods on top."""
+"""`fleet.distributed_optimizer`: a torch optimizer plus the strategy to compile with, and Paddle's methods."""
 from __future__ import annotations
 
 from typing import Any

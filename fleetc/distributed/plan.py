@@ -10,8 +10,9 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from fleetc.distributed.env import CollectiveError, collective_timeout
+from fleetc.distributed.env import collective_timeout
 from fleetc.distributed.faults import collective_failed
+from fleetc.errors import CollectiveError
 from fleetc.ir.program import OpRole, Program, Ref
 
 

@@ -15,7 +15,7 @@ class PaddleCloudRoleMaker:
 
 
 class UserDefinedRoleMaker:
-    """An explicit role: `current_id` (rank) and `worker_endpoints` (`ip:port` per rank; rank 0's hosts the rendezvous)."""
+    """An explicit role: `current_id` (the rank) and `worker_endpoints` (one `ip:port` per rank, rank 0 first)."""
 
     def __init__(self, current_id: int, worker_endpoints: list[str], is_collective: bool = True):
         self.is_collective = is_collective

@@ -1,4 +1,4 @@
-"""Batch norm with statistics over every data-parallel rank's samples (forward) and gradient sums over all ranks (backward).
+"""Batch norm over every data-parallel rank's samples: statistics (forward) and gradient sums (backward) over all ranks.
 
 Same results and outputs as aten's `_native_batch_norm_legit_functional` / `native_batch_norm_backward`
 on the concatenation of all ranks' batches. The weight and bias gradients stay each rank's own sums,

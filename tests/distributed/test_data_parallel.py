@@ -72,6 +72,7 @@ TWO_RANK_CONFIGS = [
 ]
 
 
+@pytest.mark.slow
 def test_two_ranks_match_single_process_training(tmp_path):
     results = spawn(2, "train_configs", {"configs": TWO_RANK_CONFIGS}, tmp_path)
     assert_all_ok(results)

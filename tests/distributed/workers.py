@@ -10,7 +10,7 @@ import torch
 
 import fleetc
 import fleetc.fleet as fleet
-from fleetc.distributed import CollectiveError
+from fleetc import CollectiveError
 from zoo import OPTIMIZERS, ZOO
 
 
