@@ -43,7 +43,7 @@ def fleetc_trainer(options: argparse.Namespace, fields: dict):
     strategy = fleet.DistributedStrategy()
     for key, value in fields.items():
         setattr(strategy, key, value)
-    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=1e-3), strategy)
+    fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=1e-3), strategy)
     trainer = fleet.distributed_model(model, loss_fn=F.mse_loss)
     return trainer.step, trainer
 

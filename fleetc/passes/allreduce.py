@@ -95,16 +95,17 @@ class InsertAllreduce:
         algorithm = algorithm_for(config, world)
         block = program.global_block
         grads = gradient_vars(program)
+        production_index = {g: i for i, g in enumerate(grads)}
         ops = []
         for op in block.ops:
             ops.append(op)
-            produced = [g for g in op.defined if g in grads]
+            produced = [g for g in op.defined if g in production_index]
             for grad in produced:
                 local = block.add_var(Var(grad + LOCAL_SUFFIX, block.vars[grad].shape, block.vars[grad].dtype,
                                           block.vars[grad].device))
                 op.outputs = [local.name if o == grad else o for o in op.outputs]
             for grad in produced:
-                comm = grads.index(grad) % config.nccl_comm_num
+                comm = production_index[grad] % config.nccl_comm_num
                 ops.extend(allreduce_pair(program, [grad], comm, algorithm, grad.removesuffix(GRAD_SUFFIX),
                                           self.name))
                 report.count("allreduces")

@@ -1,8 +1,6 @@
 """Data-parallel training in 2 and 4 processes on loopback (gloo) matches single-process training on the full batch."""
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
