@@ -19,6 +19,7 @@ from fleetc.passes.instruments import PassInstrument, PrintInstrument, VerifyIns
 from fleetc.passes.manager import History, PassManager, PassRecord
 from fleetc.passes.pipeline import all_pass_names, build_pipeline, strategy_requests_without_pass
 from fleetc.report import CompileReport
+from fleetc.runtime.checkpoint import load_owned_state, owned_state_dict
 from fleetc.runtime.executor import Executable
 from fleetc.runtime.state import StateBinding
 from fleetc.strategy import resolve_conflicts, resolve_strategy
@@ -176,6 +177,16 @@ class CompiledTrainer:
         out = compiled.executable.run(compiled.binding.resolve(), leaves)
         outputs = [out[f"output.{i}"] for i in range(len(out))]
         return tree_unflatten(outputs, compiled.out_spec)
+
+    # ----- checkpointing ---------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Copies of fleetc-owned state (step counters, gradient-merge accumulators, …): checkpoint it beside
+        `model.state_dict()` and `optimizer.state_dict()`."""
+        return owned_state_dict(self.counters)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore `state_dict()` output, before or after the first step; a resumed run continues mid-cycle."""
+        load_owned_state(self.counters, state_dict)
 
     # ----- inspecting ------------------------------------------------------------------------
     def _require_train(self) -> CompiledStep:

@@ -1,4 +1,4 @@
-"""Saving and loading a trainer's persistables: parameters, buffers, optimizer state and fleetc counters."""
+"""Saving and loading a trainer's persistables: parameters, buffers, optimizer state and fleetc-owned state."""
 from __future__ import annotations
 
 import os
@@ -9,7 +9,7 @@ import torch
 
 from fleetc.compiler import CompiledTrainer
 
-FILES = ("model.pt", "optimizer.pt", "counters.pt")
+FILES = ("model.pt", "optimizer.pt", "fleetc.pt")
 
 
 def save(trainer: CompiledTrainer, dirname: str) -> None:
@@ -21,7 +21,7 @@ def save(trainer: CompiledTrainer, dirname: str) -> None:
     os.mkdir(temporary)
     try:
         optimizer = trainer.optimizer.state_dict() if trainer.optimizer is not None else {}
-        for name, value in zip(FILES, (trainer.model.state_dict(), optimizer, dict(trainer.counters))):
+        for name, value in zip(FILES, (trainer.model.state_dict(), optimizer, trainer.state_dict())):
             torch.save(value, os.path.join(temporary, name))
         previous = None
         if os.path.exists(target):
@@ -36,15 +36,11 @@ def save(trainer: CompiledTrainer, dirname: str) -> None:
 
 
 def load(trainer: CompiledTrainer, dirname: str) -> None:
-    """Restore what `save` wrote into the trainer's model, optimizer and counters."""
+    """Restore what `save` wrote into the trainer's model, optimizer and fleetc-owned state (counters, accumulators)."""
     missing = [name for name in FILES if not os.path.isfile(os.path.join(dirname, name))]
     if missing:
         raise FileNotFoundError(f"{dirname!r} is not a fleetc checkpoint: missing {missing}")
     trainer.model.load_state_dict(torch.load(os.path.join(dirname, "model.pt")))
     if trainer.optimizer is not None:
         trainer.optimizer.load_state_dict(torch.load(os.path.join(dirname, "optimizer.pt")))
-    for name, value in torch.load(os.path.join(dirname, "counters.pt")).items():
-        if name in trainer.counters:
-            trainer.counters[name].copy_(value)
-        else:
-            trainer.counters[name] = value
+    trainer.load_state_dict(torch.load(os.path.join(dirname, "fleetc.pt")))

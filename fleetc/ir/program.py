@@ -39,13 +39,19 @@ class VarKind(str, enum.Enum):
     BUFFER = "buffer"
     OPTIMIZER_STATE = "optimizer_state"
     COUNTER = "counter"
+    ACCUMULATOR = "accumulator"  # values summed across steps, e.g. a merged gradient `w@GRAD@MERGE`
     DATA = "data"
     HYPER = "hyper"  # host scalars fed every step, e.g. a param group's learning rate
     TEMP = "temp"
 
 
-PERSISTABLE_KINDS = frozenset({VarKind.PARAM, VarKind.BUFFER, VarKind.OPTIMIZER_STATE, VarKind.COUNTER})
+PERSISTABLE_KINDS = frozenset({VarKind.PARAM, VarKind.BUFFER, VarKind.OPTIMIZER_STATE, VarKind.COUNTER,
+                               VarKind.ACCUMULATOR})
+# Persistables that neither the model nor the optimizer holds: the trainer creates and checkpoints them.
+FLEETC_OWNED_KINDS = frozenset({VarKind.COUNTER, VarKind.ACCUMULATOR})
 FED_KINDS = frozenset({VarKind.DATA, VarKind.HYPER})
+# The control-flow op: runs its `sub_block` when its one argument, a bool, is true.
+CONDITIONAL_BLOCK = "fleetc.conditional_block"
 
 
 @dataclass(frozen=True)

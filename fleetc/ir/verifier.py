@@ -3,8 +3,9 @@
 Invariants: every read Var is defined before use (persistables and feeds are always defined; a
 sub-block sees its parent's Vars defined before the owning op); one definer per temporary; op types
 resolve; aten ops write only temporaries, and their outputs' shapes and dtypes match what the op
-computes (checked on fake tensors); sub-block references are valid; within a block no optimize op
-comes before the last backward op that feeds it.
+computes (checked on fake tensors); sub-block references are valid, each sub-block has exactly one
+owner, a conditional_block with one bool condition; within a block no optimize op comes before the
+last backward op that feeds it.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fleetc.errors import VerificationError
 from fleetc.ir.printer import format_op
-from fleetc.ir.program import FED_KINDS, Block, Op, OpRole, Program, VarKind, map_refs
+from fleetc.ir.program import CONDITIONAL_BLOCK, FED_KINDS, Block, Op, OpRole, Program, Ref, VarKind, map_refs
 from fleetc.ops.registry import resolve_callable
 
 CONTEXT_OPS = 2
@@ -91,6 +92,11 @@ def verify(program: Program, *, after_pass: str | None = None, check_shapes: boo
     checker = _ShapeChecker(program) if check_shapes else None
     definer: dict[str, str] = {}
     _verify_block(program, program.global_block, set(always_defined), definer, checker, after_pass, set())
+    owners = [op.sub_block for _, op in program.walk_ops() if op.sub_block is not None]
+    for block in program.blocks[1:]:
+        if owners.count(block.idx) != 1:
+            raise VerificationError(f"block {block.idx} is owned by {owners.count(block.idx)} ops; a sub-block needs "
+                                    "exactly one" + (f" (after pass {after_pass!r})" if after_pass else ""))
     for key, name in program.fetches.items():
         if program.find_var(name) is None:
             raise VerificationError(f"fetch {key!r} names an undefined Var {name!r}"
@@ -110,6 +116,8 @@ def _verify_block(program: Program, block: Block, defined: set[str], definer: di
                 raise _fail(program, block, i, f"reads {name!r}, which no block in scope declares", after_pass)
             if name not in defined:
                 raise _fail(program, block, i, f"reads {name!r} before any op defines it", after_pass)
+        if (op.type == CONDITIONAL_BLOCK) != (op.sub_block is not None):
+            raise _fail(program, block, i, f"only {CONDITIONAL_BLOCK} owns a sub-block, and it must", after_pass)
         try:
             resolve_callable(op.type) if op.sub_block is None else None
         except KeyError as exc:
@@ -134,6 +142,10 @@ def _verify_block(program: Program, block: Block, defined: set[str], definer: di
                     raise _fail(program, block, i, f"optimize op reads {name!r} before its last backward writer",
                                 after_pass)
         if op.sub_block is not None:
+            condition = op.args[0] if len(op.args) == 1 and isinstance(op.args[0], Ref) else None
+            if condition is None or program.var(condition.name, block.idx).dtype != "bool":
+                raise _fail(program, block, i, "a conditional_block takes exactly one argument, a bool Var",
+                            after_pass)
             if not 0 < op.sub_block < len(program.blocks):
                 raise _fail(program, block, i, f"sub_block {op.sub_block} does not exist", after_pass)
             sub = program.blocks[op.sub_block]

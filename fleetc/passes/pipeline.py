@@ -13,6 +13,7 @@ from fleetc.passes.allreduce_fusion import FuseAllreduce
 from fleetc.passes.allreduce_overlap import OverlapAllreduce
 from fleetc.passes.base import Pass
 from fleetc.passes.dce import DeadCodeElimination
+from fleetc.passes.gradient_merge import GradientMerge
 from fleetc.passes.noop_views import RemoveNoopViews
 from fleetc.passes.sync_batch_norm import SyncBatchNorm
 
@@ -21,6 +22,7 @@ def build_pipeline(config: Any) -> list[Pass]:
     """The passes to run for a strategy config, in order."""
     return [
         RemoveNoopViews(),  # detach/clone/same-shape views from capture hide fusion patterns and cost calls
+        *([GradientMerge()] if config.gradient_merge else []),  # update once per k steps, on summed gradients
         SyncBatchNorm(),  # data parallel only: batch-norm statistics over all ranks' samples
         InsertAllreduce(),  # data parallel only: average every gradient across ranks
         FuseAllreduce(),  # one flat buffer and one collective per bucket of gradients
@@ -31,7 +33,7 @@ def build_pipeline(config: Any) -> list[Pass]:
 
 def all_pass_names() -> list[str]:
     """Every pass name the pipeline can contain (for --disable-pass validation)."""
-    return [RemoveNoopViews.name, SyncBatchNorm.name, InsertAllreduce.name, FuseAllreduce.name,
+    return [RemoveNoopViews.name, GradientMerge.name, SyncBatchNorm.name, InsertAllreduce.name, FuseAllreduce.name,
             OverlapAllreduce.name, DeadCodeElimination.name]
 
 
@@ -39,7 +41,6 @@ def all_pass_names() -> list[str]:
 _PENDING = (
     ("amp", "the AMP pass"),
     ("recompute", "the recompute pass"),
-    ("gradient_merge", "the gradient-merge pass"),
     ("pipeline", "pipeline partitioning"),
     ("sharding", "the sharding pass"),
     ("lars", "the LARS optimizer lowering"),

@@ -11,10 +11,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from fleetc.ir.liveness import last_use_index
-from fleetc.ir.program import Block, Op, Program, Ref, VarKind
+from fleetc.ir.program import CONDITIONAL_BLOCK, Block, Op, Program, Ref, VarKind
 from fleetc.ops.registry import resolve_callable
 
-CONDITIONAL_BLOCK = "fleetc.conditional_block"
 _SIMPLE = (bool, int, str, type(None))
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fleetc.ir.program import Program, VarKind
+from fleetc.errors import CheckpointError
+from fleetc.ir.program import FLEETC_OWNED_KINDS, Program, Var, VarKind
 
 
 class StateBinding:
@@ -12,7 +13,8 @@ class StateBinding:
 
     Parameters and buffers are the module's own tensors (so `model.state_dict()` is always current);
     optimizer state lives in `optimizer.state[param]` under torch's own keys and is created there,
-    zero-filled, the first time it is needed; fleetc counters live in `counters`.
+    zero-filled, the first time it is needed; fleetc-owned state (counters, accumulators) lives in
+    `counters`, created zero-filled unless a checkpoint already put it there.
     """
 
     def __init__(self, program: Program, model: nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -31,9 +33,9 @@ class StateBinding:
             elif var.kind is VarKind.OPTIMIZER_STATE:
                 param_name, key = bindings[var.name]
                 self.optimizer_state.append((var.name, named[param_name], key, torch.Size(var.shape), var.torch_dtype))
-            elif var.kind is VarKind.COUNTER and var.name not in counters:
-                counters[var.name] = torch.zeros(var.shape or (), dtype=var.torch_dtype, device=var.device)
-        self.counter_names = [v.name for v in program.persistables() if v.kind is VarKind.COUNTER]
+            elif var.kind in FLEETC_OWNED_KINDS:
+                counters[var.name] = _owned_tensor(var, counters.get(var.name))
+        self.counter_names = [v.name for v in program.persistables() if v.kind in FLEETC_OWNED_KINDS]
 
     def resolve(self) -> dict[str, torch.Tensor]:
         state = dict(self.fixed)
@@ -48,3 +50,15 @@ class StateBinding:
         for name in self.counter_names:
             state[name] = self.counters[name]
         return state
+
+
+def _owned_tensor(var: Var, existing: torch.Tensor | None) -> torch.Tensor:
+    """The tensor behind a fleetc-owned Var: `existing` (shared by every Program, maybe from a checkpoint) or zeros."""
+    shape = torch.Size(var.shape or ())
+    if existing is None:
+        return torch.zeros(shape, dtype=var.torch_dtype, device=var.device)
+    if (existing.shape, existing.dtype) != (shape, var.torch_dtype):
+        raise CheckpointError(f"fleetc state {var.name!r} holds {existing.dtype}{list(existing.shape)} (from "
+                         f"load_state_dict or another input signature), but the Program declares "
+                         f"{var.torch_dtype}{list(shape)}")
+    return existing.to(var.device)

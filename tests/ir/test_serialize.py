@@ -12,6 +12,8 @@ from zoo import OPTIMIZERS, ZOO
 import fleetc
 from fleetc.ir.program import Op, OpRole, Program, Ref, Var, VarKind
 from fleetc.ir.serialize import from_dict, program_from_json, program_to_json, to_dict
+from fleetc.ir.verifier import verify
+from fleetc.runtime.pycodegen import generate_step
 
 S0 = sympy.Symbol("s0", integer=True, positive=True)
 
@@ -38,6 +40,23 @@ def test_captured_zoo_programs_round_trip(zoo_name: str) -> None:
     assert_round_trips(trainer.program)
     for record in trainer.history:
         assert_round_trips(record.program)
+
+
+def test_gradient_merge_program_round_trips_and_generates_the_same_runtime() -> None:
+    entry = ZOO["mlp"]
+    model = entry.make_model()
+    strategy = fleetc.DistributedStrategy()
+    strategy.gradient_merge = True
+    strategy.gradient_merge_configs = {"k_steps": 2}
+    trainer = fleetc.compile(model, strategy, optimizer=OPTIMIZERS["momentum"](model.parameters()),
+                             loss_fn=entry.loss_fn, verify=True)
+    args, kwargs = entry.make_batch(torch.Generator().manual_seed(1))
+    trainer.step(*args, **kwargs)
+    back = assert_round_trips(trainer.program)
+    verify(back)
+    assert [(b.idx, b.parent_idx) for b in back.blocks] == [(0, -1), (1, 0)]
+    assert back.var("fc1.weight@GRAD@MERGE").kind is VarKind.ACCUMULATOR
+    assert generate_step(back).source == trainer.generated_source()
 
 
 def hand_built_program() -> Program:

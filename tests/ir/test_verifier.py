@@ -130,3 +130,27 @@ def test_forward_op_must_name_an_existing_op(program):
     backward.attrs["forward_op"] = "removed_long_ago"
     with pytest.raises(fleetc.VerificationError, match="forward_op 'removed_long_ago' names no op"):
         verify(program)
+
+
+def test_conditional_block_takes_one_bool_and_each_sub_block_has_one_owner(program):
+    sub = program.new_block(parent_idx=0)
+    program.global_block.add_var(Var("cond", None, "bool", kind=fleetc.VarKind.HYPER))
+    program.feeds.append("cond")
+    owner = Op("cond_block", "fleetc.conditional_block", (Ref("cond"),), attrs={"sub_block": sub.idx, "op_role": 4})
+    program.global_block.ops.append(owner)
+    verify(program)
+    owner.args = (Ref("lr@group0"),)
+    with pytest.raises(fleetc.VerificationError, match="takes exactly one argument, a bool Var"):
+        verify(program)
+    owner.args = (Ref("cond"),)
+    owner.type = "fleetc.while_loop"
+    with pytest.raises(fleetc.VerificationError, match="only fleetc.conditional_block owns a sub-block"):
+        verify(program)
+    owner.type = "fleetc.conditional_block"
+    program.global_block.ops.append(Op("cond_block_2", "fleetc.conditional_block", (Ref("cond"),),
+                                       attrs={"sub_block": sub.idx, "op_role": 4}))
+    with pytest.raises(fleetc.VerificationError, match="block 1 is owned by 2 ops"):
+        verify(program)
+    del program.global_block.ops[-2:]
+    with pytest.raises(fleetc.VerificationError, match="block 1 is owned by 0 ops"):
+        verify(program)

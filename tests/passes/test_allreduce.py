@@ -7,11 +7,9 @@ import torch
 import fleetc
 from fleetc.errors import PassError
 from fleetc.ir.program import OpRole, Program
-from fleetc.passes.allreduce import START, WAIT, InsertAllreduce, gradient_vars
-from fleetc.passes.allreduce_fusion import MB, FuseAllreduce, plan_buckets
-from fleetc.passes.allreduce_overlap import OverlapAllreduce
-from fleetc.passes.dce import DeadCodeElimination
-from fleetc.passes.sync_batch_norm import SyncBatchNorm
+from fleetc.passes.allreduce import START, WAIT, gradient_vars
+from fleetc.passes.allreduce_fusion import MB, plan_buckets
+from fleetc.passes.pipeline import build_pipeline
 from fleetc.passes.instruments import VerifyInstrument
 from fleetc.passes.manager import History, PassManager, PassRecord
 from fleetc.passes.base import PassReport
@@ -43,8 +41,9 @@ def _run(program: Program, world: int = 2, **fields) -> tuple[Program, History]:
     for key, value in fields.items():
         setattr(strategy, key, value)
     history = History([PassRecord("start", program, PassReport("start"), 0.0, estimate_memory(program))])
-    passes = [SyncBatchNorm(), InsertAllreduce(), FuseAllreduce(), OverlapAllreduce(), DeadCodeElimination()]
-    final = PassManager(passes, [VerifyInstrument()]).run(program, resolve_strategy(strategy), history)
+    config = resolve_strategy(strategy)
+    passes = [p for p in build_pipeline(config) if p.name != "remove_noop_views"]  # the fixture ran it already
+    final = PassManager(passes, [VerifyInstrument()]).run(program, config, history)
     return final, history
 
 
@@ -143,3 +142,9 @@ def test_sync_batch_norm_replaces_training_batch_norms_and_their_backwards(progr
     assert single["sync_batch_norm"].report.skipped_reason == "single process: no collectives needed"
     _, no_bn = _run(programs["mlp"], sync_batch_norm=True)
     assert no_bn["sync_batch_norm"].report.skipped_reason == "the Program has no training-mode batch norm"
+
+
+def test_gradient_merge_then_allreduce_keeps_the_program_valid(programs):
+    program, history = _run(programs["mlp"], gradient_merge=True, gradient_merge_configs={"k_steps": 2})
+    assert history["gradient_merge"].report.changed and _types(program).count(START) == 1
+    assert history["insert_allreduce"].report.stats == {"allreduces": 6}
