@@ -15,6 +15,7 @@ from torch import nn
 
 import fleetc
 from fleetc.codegen.triton import format_kernels
+from fleetc.distributed.launch import add_run_command
 from fleetc.errors import FleetcError
 from fleetc.ir.liveness import MemoryEstimate
 from fleetc.ir.serialize import program_to_json, to_dict
@@ -249,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--verify", action="store_true", help="run the IR verifier after every pass")
     dump.add_argument("--kernels", action="store_true",
                       help="after the Program, print the Triton source generated for each fused op (text format)")
+    add_run_command(commands)
     return parser
 
 

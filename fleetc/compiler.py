@@ -237,7 +237,13 @@ def compile(model: nn.Module, strategy: Any = None, *, optimizer: torch.optim.Op
 
     Compilation is lazy: the first `step(*inputs)` captures and compiles for that input signature.
     `verify=True` runs the IR verifier after every pass; `disable_passes` names passes to skip;
-    `print_after` is None, "all" or "change".
+    `print_after` is None, "all" or "change". An optimizer from `fleet.distributed_optimizer` gives a
+    data-parallel trainer (its strategy applies when `strategy` is None).
     """
-    return CompiledTrainer(model, strategy, optimizer=optimizer, loss_fn=loss_fn, measure_memory=measure_memory,
-                           verify=verify, disable_passes=disable_passes, print_after=print_after)
+    options = dict(loss_fn=loss_fn, measure_memory=measure_memory, verify=verify, disable_passes=disable_passes,
+                   print_after=print_after)
+    if getattr(optimizer, "is_fleetc_distributed", False):  # from fleet.distributed_optimizer: data parallel
+        from fleetc.fleet import _fleet
+
+        return _fleet.compile(model, optimizer, strategy, **options)
+    return CompiledTrainer(model, strategy, optimizer=optimizer, **options)
