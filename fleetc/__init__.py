@@ -5,6 +5,7 @@ from fleetc.compiler import CompiledTrainer, compile
 from fleetc.errors import (
     CaptureError,
     CheckpointError,
+    CollectiveError,
     FleetcError,
     PassError,
     StrategyError,
@@ -18,8 +19,8 @@ from fleetc.strategy import BuildStrategy, DistributedStrategy, ExecutionStrateg
 __version__ = "0.1.0"
 
 __all__ = [
-    "Block", "BuildStrategy", "CaptureError", "CompileReport", "CompiledTrainer", "DistributedStrategy",
-    "CheckpointError",
+    "Block", "BuildStrategy", "CaptureError", "CheckpointError", "CollectiveError", "CompileReport",
+    "CompiledTrainer", "DistributedStrategy",
     "ExecutionStrategy", "FleetcError", "Op", "OpRole", "PassError", "Program", "Strategy", "StrategyError",
     "UnsupportedOptimizerError", "Var", "VarKind", "VerificationError", "compile", "device_guard",
 ]

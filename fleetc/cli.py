@@ -14,6 +14,8 @@ import torch
 from torch import nn
 
 import fleetc
+from fleetc.codegen.triton import format_kernels
+from fleetc.distributed.launch import add_run_command
 from fleetc.errors import FleetcError
 from fleetc.ir.liveness import MemoryEstimate
 from fleetc.ir.serialize import program_to_json, to_dict
@@ -22,6 +24,8 @@ from fleetc.passes.pipeline import all_pass_names
 from fleetc.strategy import load_strategy_file
 from fleetc.strategy.atomic import write_atomically
 from fleetc.strategy.names import closest
+from fleetc.viz.dump_files import write_pass_files
+from fleetc.viz.report import report_html
 
 FACTORY_KEYS = ("model", "args", "kwargs", "loss_fn", "optimizer", "strategy")
 
@@ -125,8 +129,12 @@ def _check_options(options: argparse.Namespace) -> None:
     if options.after not in (None, "all", *stages):
         raise CommandError(f"unknown pass {options.after!r} for --after{_hint(options.after, [*stages, 'all'])} "
                            f"(passes: {', '.join(stages)}, or all)")
-    if options.memory and options.format == "json":
+    if options.memory and options.format != "text":
         raise CommandError("--memory applies to --format text only")
+    if options.dir is not None and (options.out is not None or options.format == "html"):
+        raise CommandError("--dir writes one text or json file per pass: use it without --out and --format html")
+    if options.kernels and (options.format != "text" or options.dir is not None):
+        raise CommandError("--kernels applies to --format text only, without --dir")
 
 
 def _single(options: argparse.Namespace) -> bool:
@@ -137,7 +145,7 @@ def _single(options: argparse.Namespace) -> bool:
 def _select(history: History, options: argparse.Namespace) -> list[PassRecord]:
     if options.after_change:
         return [r for r in history if r.report.changed]
-    if options.after == "all":
+    if options.after == "all" or (options.after is None and (options.format == "html" or options.dir is not None)):
         return list(history)
     if options.after is None:
         return [history[-1]]
@@ -163,7 +171,7 @@ def _render_text(history: History, records: list[PassRecord], options: argparse.
         chunks.append(str(record.program) if _single(options) else str(record))
         if options.memory:
             chunks.append(format_memory(record.memory))
-        if options.after_change and (diff := history.diff(record.name)):
+        if not _single(options) and (diff := history.diff(record.name)):
             chunks.append(diff.rstrip("\n"))
     return "\n".join(chunks) + "\n"
 
@@ -183,10 +191,21 @@ def dump_ir(options: argparse.Namespace) -> int:
                              verify=options.verify, disable_passes=options.disable_pass)
     trainer.step(*spec.args, **spec.kwargs)
     records = _select(trainer.history, options)
+    if options.dir is not None:
+        try:
+            written = write_pass_files(trainer.history, records, options.dir, options.format)
+        except OSError as exc:
+            raise CommandError(f"cannot write to directory {options.dir!r}: {exc}") from None
+        sys.stdout.write("".join(f"{path}\n" for path in written))
+        return 0
     if options.format == "json":
         text = _render_json(records, options)
+    elif options.format == "html":
+        text = report_html(records, title=f"fleetc dump-ir {options.factory}")
     else:
         text = _render_text(trainer.history, records, options)
+    if options.kernels:
+        text += format_kernels(records[-1].program)
     if options.out is None:
         sys.stdout.write(text)
         return 0
@@ -213,15 +232,25 @@ def build_parser() -> argparse.ArgumentParser:
                        help="print the Program after PASS ('capture' or a pass name), or after every pass "
                             "with 'all', each under its provenance header (default: after the last pass)")
     which.add_argument("--after-change", action="store_true",
-                       help="print only the passes that changed the Program, each with a diff against the one before")
-    dump.add_argument("--format", choices=("text", "json"), default="text",
-                      help="text (the readable listing) or json (the exact round-trippable form); default text")
+                       help="print only the passes that changed the Program, each with a diff against the one before "
+                            "(--after all prints the diffs too)")
+    dump.add_argument("--format", choices=("text", "json", "html"), default="text",
+                      help="text (the readable listing), json (the exact round-trippable form) or html (one "
+                           "self-contained page, a section per pass, every pass unless --after/--after-change "
+                           "choose); default text")
     dump.add_argument("--out", metavar="PATH", help="write to PATH (atomically) instead of standard output")
+    dump.add_argument("--dir", metavar="DIR",
+                      help="write one numbered file per pass (000_capture.txt, 001_<pass>.txt, ...; .json with "
+                           "--format json) into DIR for diff/git diff, every pass unless --after/--after-change "
+                           "choose; earlier numbered dumps in DIR are replaced; prints the paths written")
     dump.add_argument("--disable-pass", metavar="NAME", action="append", default=[],
                       help="skip the pass NAME (repeatable); passes: " + ", ".join(all_pass_names()))
     dump.add_argument("--memory", action="store_true",
                       help="after each Program, list the estimated live bytes after every op and the peak")
     dump.add_argument("--verify", action="store_true", help="run the IR verifier after every pass")
+    dump.add_argument("--kernels", action="store_true",
+                      help="after the Program, print the Triton source generated for each fused op (text format)")
+    add_run_command(commands)
     return parser
 
 

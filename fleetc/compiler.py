@@ -24,6 +24,7 @@ from fleetc.runtime.checkpoint import load_owned_state, owned_state_dict
 from fleetc.runtime.executor import Executable
 from fleetc.runtime.state import StateBinding
 from fleetc.strategy import resolve_conflicts, resolve_strategy
+from fleetc.viz.progress import CompileProgress, ProgressInstrument, progress_stage
 
 
 @dataclass
@@ -80,6 +81,7 @@ class CompiledTrainer:
     # ----- compiling -------------------------------------------------------------------------
     def _instruments(self) -> list[PassInstrument]:
         instruments: list[PassInstrument] = [VerifyInstrument()] if self.verify else []
+        instruments.append(ProgressInstrument())
         if self.print_after:
             instruments.append(PrintInstrument(only_changed=self.print_after == "change"))
         return instruments
@@ -107,11 +109,13 @@ class CompiledTrainer:
 
     def _compile(self, kind: str, args: tuple, kwargs: dict) -> CompiledStep:
         start = time.perf_counter()
+        progress_stage("capture")
         if kind == "train":
             program, out_spec = capture_train_program(self.model, self.loss_fn, self.optimizer, args, kwargs), None
         else:
             program, out_spec = capture_eval_program(self.model, args, kwargs)
         final, history, report = self._optimize(program, time.perf_counter() - start)
+        progress_stage("codegen")
         executable = Executable(final, measure_memory=self.measure_memory)
         binding = StateBinding(final, self.model, self.optimizer, self.counters)
         report.compile_seconds = time.perf_counter() - start
@@ -124,7 +128,8 @@ class CompiledTrainer:
             key += optimizer_signature(self.optimizer)
         cache = self._train_cache if kind == "train" else self._eval_cache
         if key not in cache:
-            cache[key] = self._compile(kind, args, kwargs)
+            with CompileProgress(f"fleetc: compiling the {kind} step"):
+                cache[key] = self._compile(kind, args, kwargs)
         return cache[key], leaves
 
     # ----- running ---------------------------------------------------------------------------
@@ -239,8 +244,14 @@ def compile(model: nn.Module, strategy: Any = None, *, optimizer: torch.optim.Op
 
     Compilation is lazy: the first `step(*inputs)` captures and compiles for that input signature.
     `verify=True` runs the IR verifier after every pass; `disable_passes` names passes to skip;
-    `print_after` is None, "all" or "change"; `recompute_policy` replaces the default RecomputePolicy.
+    `print_after` is None, "all" or "change"; `recompute_policy` replaces the default RecomputePolicy. An
+    optimizer from `fleet.distributed_optimizer` gives a data-parallel trainer (its strategy applies when
+    `strategy` is None).
     """
-    return CompiledTrainer(model, strategy, optimizer=optimizer, loss_fn=loss_fn, measure_memory=measure_memory,
-                           verify=verify, disable_passes=disable_passes, print_after=print_after,
-                           recompute_policy=recompute_policy)
+    options = dict(loss_fn=loss_fn, measure_memory=measure_memory, verify=verify, disable_passes=disable_passes,
+                   print_after=print_after, recompute_policy=recompute_policy)
+    if getattr(optimizer, "is_fleetc_distributed", False):  # from fleet.distributed_optimizer: data parallel
+        from fleetc.fleet import _fleet
+
+        return _fleet.compile(model, optimizer, strategy, **options)
+    return CompiledTrainer(model, strategy, optimizer=optimizer, **options)

@@ -27,3 +27,7 @@ class UnsupportedOptimizerError(FleetcError, TypeError):
 
 class CheckpointError(FleetcError, ValueError):
     """A trainer state_dict is malformed or does not fit the compiled Program's fleetc-owned state."""
+
+
+class CollectiveError(FleetcError, RuntimeError):
+    """A collective failed or timed out, or ranks planned different collectives; names the collective and the ranks."""

@@ -1,4 +1,31 @@
-"""`import fleetc.fleet as fleet` in place of `import paddle.distributed.fleet as fleet`: the strategy classes."""
+"""`import fleetc.fleet as fleet` in place of `import paddle.distributed.fleet as fleet`: strategies and the Fleet API.
+
+Collective (data-parallel) mode on torch.distributed; parameter-server calls raise NotImplementedError.
+"""
+from fleetc.distributed.fleet_api import PARAMETER_SERVER_CALLS, Fleet
+from fleetc.distributed.optimizer import DistributedOptimizer
+from fleetc.distributed.role_maker import PaddleCloudRoleMaker, UserDefinedRoleMaker
 from fleetc.strategy import BuildStrategy, DistributedStrategy, ExecutionStrategy, Strategy
 
-__all__ = ["BuildStrategy", "DistributedStrategy", "ExecutionStrategy", "Strategy"]
+_fleet = Fleet()
+init = _fleet.init
+worker_index = _fleet.worker_index
+worker_num = _fleet.worker_num
+is_first_worker = _fleet.is_first_worker
+is_worker = _fleet.is_worker
+worker_endpoints = _fleet.worker_endpoints
+barrier_worker = _fleet.barrier_worker
+init_worker = _fleet.init_worker
+stop_worker = _fleet.stop_worker
+distributed_optimizer = _fleet.distributed_optimizer
+distributed_model = _fleet.distributed_model
+save_persistables = _fleet.save_persistables
+load_persistables = _fleet.load_persistables
+globals().update({name: _fleet._parameter_server_only(name) for name in PARAMETER_SERVER_CALLS})
+
+__all__ = [
+    "BuildStrategy", "DistributedOptimizer", "DistributedStrategy", "ExecutionStrategy", "Fleet",
+    "PaddleCloudRoleMaker", "Strategy", "UserDefinedRoleMaker", "barrier_worker", "distributed_model",
+    "distributed_optimizer", "init", "init_worker", "is_first_worker", "is_worker", "load_persistables",
+    "save_persistables", "stop_worker", "worker_endpoints", "worker_index", "worker_num", *PARAMETER_SERVER_CALLS,
+]

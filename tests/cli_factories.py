@@ -19,6 +19,16 @@ def mlp() -> dict:
     return _mlp_step()
 
 
+def gpt() -> dict:
+    """The zoo GPT (LayerNorm, GELU, dropout, tied embeddings) with AdamW: the HTML report's showcase."""
+    entry = ZOO["gpt"]
+    torch.manual_seed(0)
+    args, _ = entry.make_batch(torch.Generator().manual_seed(1))
+    model = entry.make_model()
+    return {"model": model, "args": args, "loss_fn": entry.loss_fn,
+            "optimizer": torch.optim.AdamW(model.parameters(), lr=1e-3)}
+
+
 def mlp_with_strategy() -> dict:
     """Carries its own strategy (amp on), which `--strategy FILE` must override."""
     strategy = fleetc.DistributedStrategy()

@@ -252,3 +252,8 @@ class Program:
         from fleetc.ir.printer import format_program
 
         return format_program(self)
+
+    def _repr_html_(self) -> str:
+        from fleetc.viz.program_view import program_html
+
+        return program_html(self)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import difflib
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from fleetc.errors import PassError, StrategyError
@@ -12,6 +12,7 @@ from fleetc.ir.liveness import MemoryEstimate, estimate_memory
 from fleetc.ir.program import Program
 from fleetc.passes.base import Pass, PassReport
 from fleetc.passes.instruments import PassInstrument
+from fleetc.viz.diff_view import UnifiedDiff
 
 
 @dataclass
@@ -23,24 +24,36 @@ class PassRecord:
     report: PassReport
     seconds: float
     memory: MemoryEstimate
+    previous: PassRecord | None = field(default=None, repr=False, compare=False)  # set by History
 
-    def header(self) -> str:
+    def summary(self) -> str:
+        """Whether it changed, statistics, estimated peak: no timing, so dumps of two runs diff cleanly."""
         stats = ", ".join(f"{k}={v}" for k, v in sorted(self.report.stats.items())) or "no statistics"
         state = "changed" if self.report.changed else f"unchanged ({self.report.skipped_reason or 'nothing matched'})"
-        return (f"# constructed by {self.name} ({self.seconds * 1000:.1f} ms): {state}; {stats}; "
-                f"estimated peak {self.memory.peak_bytes / 2**20:.2f} MiB")
+        return f"{state}; {stats}; estimated peak {self.memory.peak_bytes / 2**20:.2f} MiB"
+
+    def header(self) -> str:
+        return f"# constructed by {self.name} ({self.seconds * 1000:.1f} ms): {self.summary()}"
 
     def __str__(self) -> str:
         return f"{self.header()}\n{self.program}"
+
+    def _repr_html_(self) -> str:
+        from fleetc.viz.record_view import record_html
+
+        return record_html(self)
 
 
 class History(Sequence):
     """Every intermediate Program in pass order; index by position or by pass name."""
 
     def __init__(self, records: Iterable[PassRecord] = ()):
-        self._records = list(records)
+        self._records: list[PassRecord] = []
+        for record in records:
+            self.append(record)
 
     def append(self, record: PassRecord) -> None:
+        record.previous = self._records[-1] if self._records else None
         self._records.append(record)
 
     def __len__(self) -> int:
@@ -60,17 +73,24 @@ class History(Sequence):
     def index_of(self, key: int | str) -> int:
         return key if isinstance(key, int) else self.names().index(self[key].name)
 
-    def diff(self, key: int | str) -> str:
-        """Unified diff of the Program before and after one pass."""
+    def diff(self, key: int | str, base: int | str | None = None) -> UnifiedDiff:
+        """Unified diff of the Program before and after one pass, or between passes `base` and `key`."""
         i = self.index_of(key) % len(self)
-        if i == 0:
-            return ""
-        before, after = str(self._records[i - 1].program), str(self._records[i].program)
-        return "".join(difflib.unified_diff(before.splitlines(True), after.splitlines(True),
-                                            f"before {self._records[i].name}", f"after {self._records[i].name}"))
+        if base is None and i == 0:
+            return UnifiedDiff("")
+        j = i - 1 if base is None else self.index_of(base) % len(self)
+        before, after = str(self._records[j].program), str(self._records[i].program)
+        names = ((f"before {self._records[i].name}", f"after {self._records[i].name}") if base is None
+                 else (f"after {self._records[j].name}", f"after {self._records[i].name}"))
+        return UnifiedDiff("".join(difflib.unified_diff(before.splitlines(True), after.splitlines(True), *names)))
 
     def __repr__(self) -> str:
         return f"History({self.names()})"
+
+    def _repr_html_(self) -> str:
+        from fleetc.viz.record_view import history_html
+
+        return history_html(self)
 
 
 class PassManager:

@@ -8,46 +8,59 @@ from __future__ import annotations
 
 from typing import Any
 
+from fleetc.passes.allreduce import InsertAllreduce
+from fleetc.passes.allreduce_fusion import FuseAllreduce
+from fleetc.passes.allreduce_overlap import OverlapAllreduce
+from fleetc.passes.amp import AutoMixedPrecision
+from fleetc.passes.auto_fusion import AutoFusion
 from fleetc.passes.base import Pass
 from fleetc.passes.dce import DeadCodeElimination
 from fleetc.passes.gradient_merge import GradientMerge
 from fleetc.passes.noop_views import RemoveNoopViews
 from fleetc.passes.recompute import Recompute, RecomputePolicy
+from fleetc.passes.sync_batch_norm import SyncBatchNorm
 
 
 def build_pipeline(config: Any, recompute_policy: RecomputePolicy | None = None) -> list[Pass]:
     """The passes to run for a strategy config, in order."""
     return [
         RemoveNoopViews(),  # detach/clone/same-shape views from capture hide fusion patterns and cost calls
+        *([AutoMixedPrecision()] if config.amp else []),  # casts first: later passes see the final dtypes
         *([Recompute(recompute_policy)] if config.recompute else []),  # after view cleanup: fewer ops to re-run
+        # after the named fusion passes: fuses the pointwise chains they leave
+        *([AutoFusion()] if config.build_strategy.enable_auto_fusion else []),
         *([GradientMerge()] if config.gradient_merge else []),  # update once per k steps, on summed gradients
+        SyncBatchNorm(),  # data parallel only: batch-norm statistics over all ranks' samples
+        InsertAllreduce(),  # data parallel only: average every gradient across ranks
+        FuseAllreduce(),  # one flat buffer and one collective per bucket of gradients
+        OverlapAllreduce(),  # wait for a bucket just before its first consumer (sync_nccl_allreduce=False)
         DeadCodeElimination(),  # results nobody reads (e.g. saved stats of unused outputs)
     ]
 
 
 def all_pass_names() -> list[str]:
     """Every pass name the pipeline can contain (for --disable-pass validation)."""
-    return [RemoveNoopViews.name, Recompute.name, GradientMerge.name, DeadCodeElimination.name]
+    return [RemoveNoopViews.name, AutoMixedPrecision.name, Recompute.name, AutoFusion.name, GradientMerge.name,
+            SyncBatchNorm.name, InsertAllreduce.name, FuseAllreduce.name, OverlapAllreduce.name,
+            DeadCodeElimination.name]
 
 
 # Strategy switches whose rewrite is not built yet: (dotted field, what would implement it).
 _PENDING = (
-    ("amp", "the AMP pass"),
+    ("amp_configs.use_pure_fp16", "low-precision parameters with float32 master copies (amp keeps float32 "
+                                  "parameters and casts them per use)"),
     ("pipeline", "pipeline partitioning"),
     ("sharding", "the sharding pass"),
     ("lars", "the LARS optimizer lowering"),
     ("lamb", "the LAMB optimizer lowering"),
     ("localsgd", "LocalSGD"),
     ("adaptive_localsgd", "adaptive LocalSGD"),
-    ("sync_batch_norm", "data-parallel training"),
-    ("use_hierarchical_allreduce", "data-parallel training"),
     ("build_strategy.fuse_elewise_add_act_ops", "the elementwise add+activation fusion pass"),
     ("build_strategy.fuse_bn_act_ops", "the batch-norm+activation fusion pass"),
     ("build_strategy.fuse_bn_add_act_ops", "the batch-norm+add+activation fusion pass"),
     ("build_strategy.fuse_gemm_epilogue", "the gemm-epilogue fusion pass"),
     ("build_strategy.fuse_dropout_add", "the dropout+add fusion pass"),
     ("build_strategy.fuse_all_optimizer_ops", "the fused optimizer pass"),
-    ("build_strategy.enable_auto_fusion", "automatic elementwise fusion"),
     ("build_strategy.fuse_relu_depthwise_conv", "a relu+depthwise-conv fusion pass"),
     ("build_strategy.fuse_broadcast_ops", "a broadcast fusion pass (data parallel only)"),
     ("build_strategy.enable_inplace", "in-place memory reuse"),

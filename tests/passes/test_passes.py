@@ -80,7 +80,8 @@ def _trained(**kwargs):
 def test_history_has_one_record_per_pass_with_snapshots_and_diffs():
     trainer = _trained(verify=True)
     history = trainer.history
-    assert history.names() == ["capture", "remove_noop_views", "dead_code_elimination"]
+    assert history.names() == ["capture", "remove_noop_views", "sync_batch_norm", "insert_allreduce",
+                               "fuse_all_reduce_ops", "overlap_allreduce", "dead_code_elimination"]
     assert history["capture"].program.num_ops() > history[-1].program.num_ops() == trainer.program.num_ops()
     assert history["capture"].program is not history["remove_noop_views"].program
     diff = history.diff("remove_noop_views")
@@ -90,16 +91,16 @@ def test_history_has_one_record_per_pass_with_snapshots_and_diffs():
 
 def test_report_lists_applied_passes_statistics_and_unimplemented_flags():
     strategy = fleetc.DistributedStrategy()
-    strategy.amp = True
+    strategy.lars = True
     trainer = _trained()
     report = trainer.report()
     assert report.applied == ["remove_noop_views", "dead_code_elimination"]
     assert report.stats["remove_noop_views"]["t_removed"] >= 1
     assert report.compile_seconds > 0 and "applied: remove_noop_views" in str(report)
     model = MLP()
-    with_amp = fleetc.compile(model, strategy, loss_fn=F.cross_entropy)
-    with_amp.step(torch.randn(4, 32), torch.randint(0, 10, (4,)))
-    assert "not implemented" in with_amp.report().skipped["amp"]
+    with_lars = fleetc.compile(model, strategy, loss_fn=F.cross_entropy)
+    with_lars.step(torch.randn(4, 32), torch.randint(0, 10, (4,)))
+    assert "not implemented" in with_lars.report().skipped["lars"]
 
 
 def test_disabled_pass_is_skipped_and_reported():

@@ -1,0 +1,131 @@
+"""`fleetc.fleet`'s functions: Paddle Fleet's collective-mode API on torch.distributed."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fleetc.distributed import checkpoint, env, groups
+from fleetc.distributed.faults import collective_failed
+from fleetc.distributed.optimizer import DistributedOptimizer
+from fleetc.distributed.role_maker import PaddleCloudRoleMaker
+from fleetc.distributed.trainer import DataParallelTrainer
+from fleetc.errors import FleetcError
+
+PS_NOT_SUPPORTED = ("{name}: fleetc supports collective (data-parallel) mode; parameter-server mode is planned, "
+                    "not implemented. Use fleet.init(is_collective=True).")
+
+
+class Fleet:
+    """One per process: the role, the last distributed optimizer, and the trainer built from it."""
+
+    def __init__(self) -> None:
+        self.role: env.Role | None = None
+        self.optimizer: DistributedOptimizer | None = None
+        self.trainer: DataParallelTrainer | None = None
+
+    def init(self, role_maker: Any = None, is_collective: bool = True, timeout: float | None = None) -> None:
+        """Join the job: from the launcher's environment, or from `role_maker` (rank, world, endpoints).
+
+        `timeout` (seconds) bounds every collective wait from now on (default FLEETC_COLLECTIVE_TIMEOUT or 300).
+        """
+        maker = role_maker or PaddleCloudRoleMaker(is_collective=is_collective)
+        if not getattr(maker, "is_collective", is_collective):
+            raise NotImplementedError(PS_NOT_SUPPORTED.format(name="fleet.init(is_collective=False)"))
+        if timeout is not None:
+            env.set_collective_timeout(timeout)
+        role = maker.role()
+        env.init_process_group(role)
+        self.role = env.exchange_endpoints(role) if role_maker is None else role
+
+    def _role(self) -> env.Role:
+        if self.role is None:
+            raise FleetcError("fleet is not initialized: call fleet.init(is_collective=True) first")
+        return self.role
+
+    def worker_index(self) -> int:
+        return self._role().rank
+
+    def worker_num(self) -> int:
+        return self._role().world_size
+
+    def is_first_worker(self) -> bool:
+        return self._role().rank == 0
+
+    def is_worker(self) -> bool:
+        """Always True once initialized: in collective mode every process is a worker."""
+        self._role()
+        return True
+
+    def worker_endpoints(self, to_string: bool = False) -> list[str] | str:
+        endpoints = list(self._role().endpoints)
+        return ",".join(endpoints) if to_string else endpoints
+
+    def barrier_worker(self) -> None:
+        """Every worker waits here for the others (bounded by the collective timeout)."""
+        if self._role().world_size == 1:
+            return
+        timeout = env.collective_timeout()
+        try:
+            dist.monitored_barrier(timeout=timeout, wait_all_ranks=True)
+        except RuntimeError as exc:
+            raise collective_failed("barrier_worker", exc, timeout.total_seconds()) from exc
+
+    def init_worker(self) -> None:
+        """Nothing to prepare beyond `init` in collective mode (parameters are broadcast when the model is compiled)."""
+        self._role()
+
+    def stop_worker(self) -> None:
+        """Leave the job: destroy the process groups (after this, `init` may be called again)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        groups.reset()
+        self.role = self.optimizer = self.trainer = None
+
+    def distributed_optimizer(self, optimizer: torch.optim.Optimizer, strategy: Any = None) -> DistributedOptimizer:
+        self.optimizer = DistributedOptimizer(optimizer, strategy)
+        return self.optimizer
+
+    def distributed_model(self, model: nn.Module, loss_fn: Callable | None = None,
+                          **compile_options: Any) -> DataParallelTrainer:
+        """The data-parallel trainer of `model`, with the last `distributed_optimizer`'s optimizer and strategy."""
+        if self.optimizer is None:
+            raise FleetcError("call fleet.distributed_optimizer(optimizer, strategy) before fleet.distributed_model")
+        return self.compile(model, self.optimizer, loss_fn=loss_fn, **compile_options)
+
+    def compile(self, model: nn.Module, optimizer: DistributedOptimizer, strategy: Any = None,
+                **compile_options: Any) -> DataParallelTrainer:
+        """What `fleetc.compile(model, optimizer=distributed_optimizer)` does."""
+        self._role()
+        self.trainer = DataParallelTrainer(model, strategy if strategy is not None else optimizer.strategy,
+                                           optimizer=optimizer.inner, **compile_options)
+        return self.trainer
+
+    def _trainer(self, trainer: Any) -> Any:
+        trainer = trainer or self.trainer
+        if trainer is None:
+            raise FleetcError("no trainer to save or load: build one with fleet.distributed_model(model) "
+                              "or pass trainer=")
+        return trainer
+
+    def save_persistables(self, dirname: str, trainer: Any = None) -> None:
+        """The first worker writes parameters, buffers, optimizer state and counters (atomically); all wait for it."""
+        trainer = self._trainer(trainer)
+        if self.is_first_worker():
+            checkpoint.save(trainer, dirname)
+        self.barrier_worker()
+
+    def load_persistables(self, dirname: str, trainer: Any = None) -> None:
+        """Every rank restores what `save_persistables` wrote."""
+        checkpoint.load(self._trainer(trainer), dirname)
+
+    def _parameter_server_only(self, name: str) -> Callable:
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            raise NotImplementedError(PS_NOT_SUPPORTED.format(name=f"fleet.{name}"))
+        return refuse
+
+
+PARAMETER_SERVER_CALLS = ("init_server", "run_server", "stop_server", "server_num", "server_index",
+                          "server_endpoints", "is_server")

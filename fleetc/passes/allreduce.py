@@ -1,0 +1,118 @@
+"""Allreduce insertion: every gradient gets an averaging allreduce (role collective) right after its last producer.
+
+Runs only in data-parallel Programs (`metadata["data_parallel"]`, stamped by fleet's trainer). The
+producer's result is renamed `<param>@GRAD@LOCAL`; the allreduce's wait defines `<param>@GRAD`
+again, so the optimizer ops and fetches read the averaged gradient without being touched.
+Communicator groups the Program uses are listed in `metadata["collective_groups"]`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from fleetc.distributed.collectives import FLAT, HIERARCHICAL
+from fleetc.distributed.groups import group_partitions
+from fleetc.errors import StrategyError
+from fleetc.ir.program import Op, OpRole, Program, Ref, Var, VarKind
+from fleetc.passes.base import PassReport
+
+START = "fleetc.c_allreduce_start"
+WAIT = "fleetc.c_allreduce_wait"
+SINGLE_PROCESS = "single process: no collectives needed"
+GRAD_SUFFIX = "@GRAD"
+LOCAL_SUFFIX = "@LOCAL"
+
+
+def data_parallel_world(program: Program) -> int:
+    """The data-parallel world size a Program was compiled for (1: not data parallel)."""
+    return int(program.metadata.get("data_parallel", {}).get("world_size", 1))
+
+
+def gradient_vars(program: Program) -> list[str]:
+    """Gradient Vars (`<param>@GRAD` of a parameter) of the global block, in the order backward produces them."""
+    block = program.global_block
+    grads = []
+    for op in block.ops:
+        for name in op.defined:
+            param = program.find_var(name.removesuffix(GRAD_SUFFIX)) if name.endswith(GRAD_SUFFIX) else None
+            if param is not None and param.kind is VarKind.PARAM and block.vars[name].kind is VarKind.TEMP:
+                grads.append(name)
+    return grads
+
+
+def allreduce_pair(program: Program, grads: list[str], comm: int, algorithm: str, label: str,
+                   provenance: str) -> tuple[Op, Op]:
+    """A start op packing `<g>@LOCAL` of `grads` into one buffer and its wait op redefining each `<g>`."""
+    block = program.global_block
+    first = block.vars[grads[0]]
+    flat = block.add_var(Var(program.unique_name(f"{label}@FLAT"), (sum(_numel(block.vars[g]) for g in grads),),
+                             first.dtype, first.device))
+    pending = block.add_var(Var(program.unique_name(f"{label}@WORK"), None, "work", first.device))
+    attrs = {"op_role": int(OpRole.COLLECTIVE), "provenance": provenance,
+             "module_path": _common_module(program, grads)}
+    start = Op(program.unique_name(f"{label}_start"), START,
+               ([Ref(g + LOCAL_SUFFIX) for g in grads], comm, algorithm, label), {}, [flat.name, pending.name],
+               dict(attrs))
+    wait = Op(program.unique_name(f"{label}_wait"), WAIT,
+              (Ref(flat.name), Ref(pending.name), [list(block.vars[g].shape) for g in grads]), {}, list(grads),
+              dict(attrs))
+    return start, wait
+
+
+def _numel(var: Var) -> int:
+    numel = 1
+    for d in var.shape:
+        numel *= d
+    return numel
+
+
+def _common_module(program: Program, grads: list[str]) -> str:
+    paths = [g.removesuffix(GRAD_SUFFIX).rpartition(".")[0] for g in grads]
+    return paths[0] if len(set(paths)) == 1 else ""
+
+
+def algorithm_for(config: Any, world_size: int) -> str:
+    """FLAT or HIERARCHICAL; a node size that does not divide the world is an error naming the field."""
+    if not config.use_hierarchical_allreduce:
+        return FLAT
+    per_node = config.hierarchical_allreduce_inter_nranks
+    if per_node < 2 or world_size % per_node or per_node == world_size:
+        raise StrategyError(f"hierarchical_allreduce_inter_nranks={per_node} (ranks per node) must be at least 2, "
+                            f"smaller than the world size {world_size} and divide it")
+    return HIERARCHICAL
+
+
+class InsertAllreduce:
+    name = "insert_allreduce"
+    summary = "average every gradient across data-parallel ranks, right after its last producer"
+    reads = ("use_hierarchical_allreduce", "hierarchical_allreduce_inter_nranks", "nccl_comm_num")
+
+    def run(self, program: Program, config: Any) -> tuple[Program, PassReport]:
+        report = PassReport(self.name)
+        world = data_parallel_world(program)
+        if world == 1:
+            report.skipped_reason = SINGLE_PROCESS
+            return program, report
+        algorithm = algorithm_for(config, world)
+        block = program.global_block
+        grads = gradient_vars(program)
+        production_index = {g: i for i, g in enumerate(grads)}
+        ops = []
+        for op in block.ops:
+            ops.append(op)
+            produced = [g for g in op.defined if g in production_index]
+            for grad in produced:
+                local = block.add_var(Var(grad + LOCAL_SUFFIX, block.vars[grad].shape, block.vars[grad].dtype,
+                                          block.vars[grad].device))
+                op.outputs = [local.name if o == grad else o for o in op.outputs]
+            for grad in produced:
+                comm = production_index[grad] % config.nccl_comm_num
+                ops.extend(allreduce_pair(program, [grad], comm, algorithm, grad.removesuffix(GRAD_SUFFIX),
+                                          self.name))
+                report.count("allreduces")
+        block.ops = ops
+        program.metadata["collective_groups"] = group_partitions(
+            world, config.nccl_comm_num, config.hierarchical_allreduce_inter_nranks, algorithm == HIERARCHICAL)
+        report.changed = bool(grads)
+        if not grads:
+            report.skipped_reason = "the Program has no parameter gradients"
+        return program, report

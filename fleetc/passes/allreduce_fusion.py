@@ -1,0 +1,103 @@
+"""`fuse_all_reduce_ops`: gradient allreduces grouped into buckets, one flat buffer and one collective per bucket.
+
+Gradients are taken in the order backward produces them (reverse layer order) and grouped by dtype.
+A bucket closes at `fuse_grad_size_in_MB` or at `fuse_grad_size_in_TFLOPS` gradients (Paddle uses
+that field as a count); the first bucket of each dtype closes at `last_comm_group_size_MB`, so the
+first collective starts early in backward. A bucket is issued right after its last gradient is
+produced; buckets go to the `nccl_comm_num` communicators round-robin.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fleetc.ir.program import Op, Program
+from fleetc.passes.allreduce import SINGLE_PROCESS, START, WAIT, allreduce_pair, data_parallel_world
+from fleetc.passes.base import PassReport
+
+MB = 1 << 20
+
+
+@dataclass
+class Bucket:
+    dtype: str
+    grads: list[str] = field(default_factory=list)
+    nbytes: int = 0
+
+
+def plan_buckets(grads: list[tuple[str, str, int]], cap_bytes: float, first_cap_bytes: float,
+                 max_grads: int) -> list[Bucket]:
+    """Buckets of (name, dtype, bytes) gradients given in production order, in the order they close."""
+    closed: list[Bucket] = []
+    open_by_dtype: dict[str, Bucket] = {}
+    closed_dtypes: set[str] = set()
+    for name, dtype, nbytes in grads:
+        bucket = open_by_dtype.setdefault(dtype, Bucket(dtype))
+        cap = cap_bytes if dtype in closed_dtypes else first_cap_bytes
+        if bucket.grads and (bucket.nbytes + nbytes > cap or len(bucket.grads) >= max_grads):
+            closed.append(bucket)
+            closed_dtypes.add(dtype)
+            bucket = open_by_dtype[dtype] = Bucket(dtype)
+        bucket.grads.append(name)
+        bucket.nbytes += nbytes
+    last_grad_position = {name: i for i, (name, _, _) in enumerate(grads)}
+    leftovers = sorted(open_by_dtype.values(), key=lambda b: last_grad_position[b.grads[-1]])
+    return sorted(closed + leftovers, key=lambda b: last_grad_position[b.grads[-1]])
+
+
+class FuseAllreduce:
+    name = "fuse_all_reduce_ops"
+    summary = "bucket gradient allreduces: one flat buffer and one collective per bucket"
+    reads = ("fuse_all_reduce_ops", "fuse_grad_size_in_MB", "fuse_grad_size_in_TFLOPS", "last_comm_group_size_MB",
+             "nccl_comm_num")
+
+    def run(self, program: Program, config: Any) -> tuple[Program, PassReport]:
+        report = PassReport(self.name)
+        if data_parallel_world(program) == 1:
+            report.skipped_reason = SINGLE_PROCESS
+            return program, report
+        if not config.fuse_all_reduce_ops:
+            report.skipped_reason = "fuse_all_reduce_ops is off: one allreduce per gradient"
+            return program, report
+        block = program.global_block
+        starts = [op for op in block.ops if op.type == START]
+        waits = {op.args[0].name: op for op in block.ops if op.type == WAIT}
+        if len(starts) < 2:
+            report.skipped_reason = "fewer than two gradient allreduces: nothing to fuse"
+            return program, report
+        grad_of_start = {s.name: waits[s.outputs[0]].outputs[0] for s in starts}
+        order = [(grad_of_start[s.name], block.vars[grad_of_start[s.name]].dtype,
+                  block.vars[grad_of_start[s.name]].nbytes()) for s in starts]
+        buckets = plan_buckets(order, config.fuse_grad_size_in_MB * MB, config.last_comm_group_size_MB * MB,
+                               config.fuse_grad_size_in_TFLOPS)
+        algorithm = starts[0].args[2]
+        start_of_grad = {grad_of_start[s.name]: s for s in starts}
+        removed = {s.name for s in starts} | {waits[s.outputs[0]].name for s in starts}
+        for s in starts:
+            del block.vars[s.outputs[0]], block.vars[s.outputs[1]]
+        issue_after: dict[str, list[Op]] = {}
+        for index, bucket in enumerate(buckets):
+            pair = allreduce_pair(program, bucket.grads, index % config.nccl_comm_num, algorithm, f"bucket{index}",
+                                  self.name)
+            issue_after.setdefault(start_of_grad[bucket.grads[-1]].name, []).extend(pair)
+            report.count("buckets")
+            report.count("gradients", len(bucket.grads))
+        ops = []
+        waiting: dict[str, str] = {}  # gradients produced whose bucket is not issued yet: readers get the local value
+        for op in block.ops:
+            if op.name in removed:
+                if op.type == START:
+                    grad = grad_of_start[op.name]
+                    waiting[grad] = op.args[0][0].name
+            else:
+                op.rename_inputs(waiting)
+                ops.append(op)
+            for new_op in issue_after.get(op.name, ()):
+                ops.append(new_op)
+                for grad in new_op.outputs if new_op.type == WAIT else ():
+                    waiting.pop(grad)
+        block.ops = ops
+        report.stats["allreduces_before"] = len(starts)
+        report.changed = True
+        return program, report
+

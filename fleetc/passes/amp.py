@@ -1,0 +1,224 @@
+"""AMP pass: runs white-listed ops (matmul, conv) in bf16/fp16, black-listed ones in float32, over forward AND backward.
+
+The joint graph already holds the backward ops, so one dataflow sweep covers both directions: a
+white op casts its float inputs to low precision, a black op to float32, and a gray op runs in low
+precision only when all its float inputs already are (Paddle's promote rule). Every value is cast
+to a given dtype at most once and the cast reused. fleetc ops (optimizer updates, buffer assigns)
+and fetched values get back the dtype capture gave them, so gradients reach the optimizer in
+float32 and parameters stay float32 (master weights). Then dynamic loss scaling is added
+(fleetc/passes/loss_scaling.py).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from fleetc.errors import PassError
+from fleetc.ir.liveness import aliased_input
+from fleetc.ir.program import Op, Program, Ref, Var, VarKind, map_refs
+from fleetc.ops.registry import resolve_callable
+from fleetc.passes.amp_lists import AmpLists
+from fleetc.passes.base import PassReport
+from fleetc.passes.loss_scaling import insert_loss_scaling
+
+FLOAT32 = "float32"
+_CAST_TYPE = "aten._to_copy.default"
+_SUFFIX = {"float32": "FP32", "bfloat16": "BF16", "float16": "FP16"}
+_SCALAR_STANDINS = {"bool": True, "int64": 1, "float64": 1.0}
+
+
+def low_precision_dtype(requested: str | None, device: str) -> str:
+    """amp_configs.dtype, or the default: float16 on CUDA, bfloat16 elsewhere (CPU kernels are fast in bf16)."""
+    if requested is not None:
+        return requested
+    return "float16" if device.startswith("cuda") else "bfloat16"
+
+
+class _CastRewriter:
+    """One sweep over the global block, rebuilding its op list with casts and updated output dtypes."""
+
+    def __init__(self, program: Program, lists: AmpLists, low: str, black_vars: set[str], report: PassReport):
+        self.program = program
+        self.block = program.global_block
+        self.lists = lists
+        self.low = low
+        self.black_vars = black_vars
+        self.report = report
+        self.original = {name: var.dtype for name, var in self.block.vars.items()}
+        self.casts: dict[tuple[str, str], str] = {}
+        self.ops: list[Op] = []
+        self.readers: dict[str, list[Op]] = {}
+        for op in self.block.ops:
+            for name in op.inputs:
+                self.readers.setdefault(name, []).append(op)
+        self.mode = FakeTensorMode(allow_non_fake_inputs=False)
+
+    def castable(self, name: str) -> bool:
+        var = self.program.var(name)
+        return var.shape is not None and var.dtype in (FLOAT32, self.low)
+
+    # ----- casts ------------------------------------------------------------------------------
+    def cast(self, name: str, dtype: str, template: Op, at: int) -> str:
+        """The Var holding `name` in `dtype`, inserting the cast at position `at` the first time."""
+        key = (name, dtype)
+        if key not in self.casts:
+            source = self.program.var(name)
+            out = self.program.unique_name(f"{name}@{_SUFFIX[dtype]}")
+            self.block.add_var(Var(out, source.shape, dtype, source.device, VarKind.TEMP))
+            attrs = {k: template.attrs[k] for k in ("op_role", "module_path", "forward_op", "op_device", "source")
+                     if k in template.attrs}
+            attrs["provenance"] = "amp"
+            op = Op(self.program.unique_name(f"{name}.cast_{_SUFFIX[dtype].lower()}"), _CAST_TYPE, (Ref(name),),
+                    {"dtype": getattr(torch, dtype)}, outputs=[out], attrs=attrs)
+            self.ops.insert(at, op)
+            self.casts[key] = out
+            self.report.count("casts")
+            self.report.count(f"casts_to_{dtype}")
+        return self.casts[key]
+
+    def restore_dtype(self, name: str, consumer: Op) -> str:
+        """`name` in its captured dtype, cast right after its producer so e.g. float32 gradients are ready
+        at the end of backward, before any optimizer op."""
+        dtype = self.original[name]
+        if self.program.var(name).dtype == dtype:
+            return name
+        producer = next((i for i, op in enumerate(self.ops) if name in op.defined), None)
+        template = self.ops[producer] if producer is not None else consumer
+        return self.cast(name, dtype, template, len(self.ops) if producer is None else producer + 1)
+
+    # ----- dtype inference --------------------------------------------------------------------
+    def fake(self, name: str, dtype: str) -> Any:
+        var = self.program.var(name)
+        if var.shape is None:
+            return _SCALAR_STANDINS.get(var.dtype, 1)
+        with self.mode:
+            return torch.empty(var.shape, dtype=getattr(torch, dtype), device=var.device)
+
+    def infer(self, op: Op, dtypes: dict[str, str], args: tuple, kwargs: dict) -> list | None:
+        """Output values of `op` with its inputs in `dtypes` (fake tensors), or None if it rejects them."""
+        to_fake = lambda r: self.fake(r.name, dtypes.get(r.name, self.program.var(r.name).dtype))  # noqa: E731
+        try:
+            with self.mode:
+                result = resolve_callable(op.type)(*map_refs(args, to_fake), **map_refs(kwargs, to_fake))
+        except Exception:  # noqa: BLE001 (any rejection means: run this op in float32 instead)
+            return None
+        return list(result) if isinstance(result, (tuple, list)) else [result]
+
+    # ----- the sweep --------------------------------------------------------------------------
+    def target_dtype(self, op: Op) -> str:
+        names = set(op.inputs) | set(op.defined)
+        if names & self.black_vars:
+            return FLOAT32
+        kind = self.lists.classify(op.type)
+        if kind == "white":
+            return self.low
+        if kind == "black":
+            return FLOAT32
+        floats = [n for n in op.inputs if self.castable(n)]
+        if floats and all(self.program.var(n).dtype == self.low for n in floats):
+            return self.low
+        # `t(w)` read only by matmuls: transpose the cast of `w`, so forward and backward share one cast.
+        return self.low if floats and self.is_view(op) and self.runs_low(op) else FLOAT32
+
+    @staticmethod
+    def is_view(op: Op) -> bool:
+        return any(aliased_input(op, i) is not None for i in range(len(op.outputs)))
+
+    def runs_low(self, op: Op) -> bool:
+        """Whether `op` runs in low precision whatever its inputs: a white op, or a view only such ops read."""
+        if not op.type.startswith("aten.") or (set(op.inputs) | set(op.defined)) & self.black_vars:
+            return False
+        if self.lists.classify(op.type) == "white":
+            return True
+        fetched = set(self.program.fetches.values())
+        return self.is_view(op) and all(
+            name not in fetched and self.readers.get(name) and all(self.runs_low(r) for r in self.readers[name])
+            for name in op.defined)
+
+    def plan(self, op: Op) -> tuple[str, dict[str, str], tuple, dict, list]:
+        """Target dtype, input casts, args, kwargs and fake outputs for an aten op; float32 when low precision fails."""
+        for target in dict.fromkeys([self.target_dtype(op), FLOAT32]):
+            casts = {n: target for n in op.inputs if self.castable(n) and self.program.var(n).dtype != target}
+            args, kwargs = self._with_input_dtype(op, target), dict(op.kwargs)
+            if target == FLOAT32 and casts and self._accumulates_in(op, kwargs):
+                # A reduction with a dtype argument reads low precision and accumulates in float32: no cast.
+                kwargs["dtype"], casts = torch.float32, {}
+            results = self.infer(op, casts, args, kwargs)
+            if results is not None:
+                return target, casts, args, kwargs, results
+        raise PassError(f"op {op.name!r} ({op.type}) accepts neither low-precision nor float32 inputs")
+
+    @staticmethod
+    def _with_input_dtype(op: Op, target: str) -> tuple:
+        """Backward ops such as `_softmax_backward_data` name their forward input's dtype: now `target`."""
+        schema = resolve_callable(op.type)._schema
+        return tuple(getattr(torch, target) if arg.name == "input_dtype" and isinstance(value, torch.dtype) else value
+                     for arg, value in zip(schema.arguments, op.args))
+
+    @staticmethod
+    def _accumulates_in(op: Op, kwargs: dict) -> bool:
+        schema = resolve_callable(op.type)._schema
+        return op.type.split(".")[1] in ("sum", "mean") and kwargs.get("dtype") is None and any(
+            a.name == "dtype" and a.kwarg_only for a in schema.arguments)
+
+    def rewrite(self, op: Op) -> None:
+        if not op.type.startswith("aten."):
+            op.rename_inputs({n: self.restore_dtype(n, op) for n in op.inputs if self.castable(n)})
+            self.ops.append(op)
+            return
+        changed = any(self.program.var(n).dtype != self.original.get(n) for n in op.inputs)
+        target, casts, args, kwargs, results = self.plan(op)
+        if casts or changed or kwargs != op.kwargs or args != op.args:
+            if kwargs.get("dtype") is torch.float32 and op.kwargs.get("dtype") is None:
+                self.report.count("reductions_accumulating_in_float32")
+            op.args, op.kwargs = args, kwargs
+            op.rename_inputs({n: self.cast(n, dtype, op, len(self.ops)) for n, dtype in casts.items()})
+            for name, value in zip(op.outputs, results):
+                if name is not None and isinstance(value, torch.Tensor):
+                    self.program.var(name).dtype = str(value.dtype).removeprefix("torch.")
+        if target == self.low:
+            self.report.count(f"ops_in_{self.low}")
+        self.ops.append(op)
+        self.track_black_views(op)
+
+    def track_black_views(self, op: Op) -> None:
+        """A view of a black-listed Var (`t(w)`, `w.view(...)`) is the same value, so it is black too."""
+        for i, name in enumerate(op.outputs):
+            if name is not None and aliased_input(op, i) in self.black_vars:
+                self.black_vars.add(name)
+
+    def run(self) -> None:
+        for op in self.block.ops:
+            if op.sub_block is not None:
+                raise PassError(f"amp runs before passes that create sub-blocks, but op {op.name!r} owns one")
+            self.rewrite(op)
+        self.block.ops = self.ops
+        for key, name in self.program.fetches.items():
+            if self.castable(name) and self.program.var(name).dtype != self.original[name]:
+                self.program.fetches[key] = self.restore_dtype(name, self.ops[-1])
+
+
+class AutoMixedPrecision:
+    name = "amp"
+    summary = "cast matmul/conv to bf16/fp16 and softmax/norms/losses/reductions to float32; dynamic loss scaling"
+    reads = ("amp", "amp_configs")
+
+    def run(self, program: Program, config: Any) -> tuple[Program, PassReport]:
+        cfg = config.amp_configs
+        report = PassReport(self.name)
+        lists = AmpLists.from_config(cfg.custom_white_list, cfg.custom_black_list)
+        params = [v for v in program.all_vars() if v.kind is VarKind.PARAM]
+        low = low_precision_dtype(cfg.dtype, params[0].device if params else "cpu")
+        black_vars = set(cfg.custom_black_varnames)
+        missing = sorted(n for n in black_vars if program.find_var(n) is None)
+        if missing:
+            report.notes.append(f"amp_configs.custom_black_varnames: no Var named {missing} in this Program")
+        _CastRewriter(program, lists, low, black_vars, report).run()
+        report.notes.append(f"low precision: {low}")
+        insert_loss_scaling(program, cfg, report)
+        report.changed = bool(report.stats)
+        if not report.changed:
+            report.skipped_reason = "no op in the Program is on the white list or follows a white-listed op"
+        return program, report

@@ -1,0 +1,111 @@
+"""Data-parallel training in 2 and 4 processes on loopback (gloo) matches single-process training on the full batch."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import eager_step
+from distributed.spawn import assert_all_ok, spawn
+from distributed.workers import global_batches, shard
+from zoo import OPTIMIZERS, ZOO
+
+
+def reference(zoo_name: str, optimizer_name: str, steps: int, world: int, initial: dict,
+              per_shard_batch_norm: bool) -> tuple[list, dict]:
+    """Single-process eager training from the same initial state.
+
+    Without BatchNorm the full-batch loss is the mean of the equal shards' losses, so one step on the full
+    batch is the data-parallel step. With BatchNorm (cnn) every rank normalizes with its own shard's
+    statistics (sync_batch_norm off, as in torch DDP), so the reference averages the shards' losses, each
+    computed with its own forward pass; running statistics then differ by design and are not compared.
+    With sync_batch_norm the full batch is the reference again, running statistics included.
+    """
+    entry = ZOO[zoo_name]
+    model = entry.make_model()
+    model.load_state_dict(initial)
+    opt = OPTIMIZERS[optimizer_name](model.parameters())
+    losses = []
+    for batch in global_batches(zoo_name, steps):
+        if not per_shard_batch_norm:
+            losses.append(eager_step(model, opt, entry.loss_fn, batch, {}))
+            continue
+        opt.zero_grad(set_to_none=True)
+        loss = sum(entry.loss_fn(model(*shard(batch, r, world)[:-1]), shard(batch, r, world)[-1])
+                   for r in range(world)) / world
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return losses, model.state_dict()
+
+
+def check_run(results, index: int, world: int, config: dict) -> None:
+    runs = [r.result["runs"][index] for r in results]
+    per_shard_batch_norm = config["zoo"] == "cnn" and not config["strategy"].get("sync_batch_norm")
+    for run in runs[1:]:
+        for name, value in runs[0]["state"].items():
+            assert torch.equal(run["state"][name], value) or (per_shard_batch_norm and "running" in name), name
+        for name, value in runs[0]["initial"].items():
+            assert torch.equal(run["initial"][name], value), f"{name} was not broadcast from rank 0"
+    losses, state = reference(config["zoo"], config["optimizer"], config["steps"], world, runs[0]["initial"],
+                              per_shard_batch_norm)
+    mean_losses = [sum(run["losses"][i] for run in runs) / world for i in range(config["steps"])]
+    for step, (got, want) in enumerate(zip(mean_losses, losses)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"loss of step {step}: {m}")
+    for name, want in state.items():
+        if per_shard_batch_norm and ("running" in name or "num_batches" in name):  # the reference ran BN twice
+            continue
+        torch.testing.assert_close(runs[0]["state"][name], want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    assert any(not torch.equal(runs[0]["state"][k], v) for k, v in runs[0]["initial"].items()), "nothing trained"
+
+
+TWO_RANK_CONFIGS = [
+    {"zoo": "mlp", "optimizer": "adamw", "steps": 3, "strategy": {}},
+    {"zoo": "mlp", "optimizer": "momentum", "steps": 3, "strategy": {"fuse_all_reduce_ops": False}},
+    {"zoo": "cnn", "optimizer": "momentum", "steps": 3,
+     "strategy": {"sync_nccl_allreduce": False, "nccl_comm_num": 2, "last_comm_group_size_MB": 0.001,
+                  "fuse_grad_size_in_TFLOPS": 4}},
+    # SGD, not Adam: statistics summed over ranks round differently from one pass over the full batch, and
+    # Adam's normalization turns a 1e-9 difference in a near-zero gradient into a 1e-6 parameter difference.
+    {"zoo": "cnn", "optimizer": "momentum", "steps": 2, "strategy": {"sync_batch_norm": True}},
+]
+
+
+@pytest.mark.slow
+def test_two_ranks_match_single_process_training(tmp_path):
+    results = spawn(2, "train_configs", {"configs": TWO_RANK_CONFIGS}, tmp_path)
+    assert_all_ok(results)
+    assert [r.result["index"] for r in results] == [0, 1]
+    assert all(r.result["num"] == 2 and len(r.result["endpoints"]) == 2 for r in results)
+    for i, config in enumerate(TWO_RANK_CONFIGS):
+        check_run(results, i, 2, config)
+    fused, unfused, cnn, synced = results[0].result["runs"]
+    assert fused["collectives"] == 1  # all 27 KB of gradients fit the 1 MB first bucket
+    assert unfused["collectives"] == 6  # one per gradient
+    assert cnn["collectives"] == 5 and cnn["report"]["fuse_all_reduce_ops"]["buckets"] == 5  # 17 grads, ≤ 4 each
+    assert cnn["report"]["overlap_allreduce"]["waits_moved"] == 5
+    assert set(cnn["groups"]) == {"dp:0", "dp:1"}
+    assert synced["report"]["sync_batch_norm"] == {"batch_norms_synced": 5, "backwards_synced": 5}
+    torch.manual_seed(0)
+    _, eager_state = reference("mlp", "sgd", 2, 2, ZOO["mlp"].make_model().state_dict(), False)
+    for name, want in eager_state.items():
+        torch.testing.assert_close(results[1].result["eager"]["state"][name], want, rtol=1e-5, atol=1e-6)
+
+
+FOUR_RANK_CONFIGS = [
+    {"zoo": "mlp", "optimizer": "sgd", "steps": 3,
+     "strategy": {"use_hierarchical_allreduce": True, "hierarchical_allreduce_inter_nranks": 2, "nccl_comm_num": 2,
+                  "fuse_grad_size_in_TFLOPS": 2, "sync_nccl_allreduce": False}},
+    {"zoo": "cnn", "optimizer": "adam", "steps": 2, "strategy": {}},
+]
+
+
+@pytest.mark.slow
+def test_four_ranks_hierarchical_and_two_communicators(tmp_path):
+    results = spawn(4, "train_configs", {"configs": FOUR_RANK_CONFIGS}, tmp_path, deadline_s=150)
+    assert_all_ok(results)
+    for i, config in enumerate(FOUR_RANK_CONFIGS):
+        check_run(results, i, 4, config)
+    hierarchical = results[0].result["runs"][0]
+    assert hierarchical["groups"]["intra:0"] == [[0, 1], [2, 3]]
+    assert hierarchical["groups"]["inter:1"] == [[0, 2], [1, 3]]
+    assert hierarchical["collectives"] == 3

@@ -1,0 +1,125 @@
+"""The Fleet API in one process (world size 1), the `fleetc run` command line, and checkpoints."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fleetc
+import fleetc.fleet as fleet
+from conftest import eager_step
+from distributed.spawn import ROOT
+from fleetc.cli import build_parser, main
+from fleetc.distributed.launch import torchrun_arguments
+from fleetc.errors import FleetcError
+from zoo import OPTIMIZERS, ZOO
+
+
+@pytest.fixture
+def single_fleet(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    fleet.init(is_collective=True)
+    yield fleet
+    fleet.stop_worker()
+
+
+def test_single_process_role(single_fleet):
+    assert (fleet.worker_index(), fleet.worker_num(), fleet.is_first_worker(), fleet.is_worker()) == (0, 1, True, True)
+    assert fleet.worker_endpoints() == ["127.0.0.1:0"] and fleet.worker_endpoints(to_string=True) == "127.0.0.1:0"
+    fleet.barrier_worker()
+    fleet.init_worker()
+
+
+def test_explicit_role_maker_is_checked():
+    role = fleet.UserDefinedRoleMaker(current_id=1, worker_endpoints=["10.0.0.1:6170", "10.0.0.2:6170"]).role()
+    assert (role.rank, role.world_size, role.endpoints[1]) == (1, 2, "10.0.0.2:6170")
+    with pytest.raises(FleetcError, match="rank 2 is outside the world of 2"):
+        fleet.UserDefinedRoleMaker(current_id=2, worker_endpoints=["a:1", "b:1"])
+
+
+def test_parameter_server_calls_say_what_is_supported():
+    for call in (fleet.init_server, fleet.run_server, fleet.server_num, fleet.is_server):
+        with pytest.raises(NotImplementedError, match="collective .* mode; parameter-server mode is planned"):
+            call()
+    with pytest.raises(NotImplementedError, match="parameter-server"):
+        fleet.init(is_collective=False)
+
+
+def test_uninitialized_fleet_is_an_error():
+    with pytest.raises(FleetcError, match=r"call fleet.init\(is_collective=True\) first"):
+        fleet.worker_num()
+
+
+def test_distributed_model_in_one_process_trains_like_eager(single_fleet, tmp_path):
+    entry = ZOO["mlp"]
+    torch.manual_seed(0)
+    model = entry.make_model()
+    eager = entry.make_model()
+    eager.load_state_dict(model.state_dict())
+    eager_opt = OPTIMIZERS["adamw"](eager.parameters())
+    opt = fleet.distributed_optimizer(OPTIMIZERS["adamw"](model.parameters()), fleet.DistributedStrategy())
+    trainer = fleet.distributed_model(model, loss_fn=entry.loss_fn, verify=True)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        args, _ = entry.make_batch(g)
+        torch.testing.assert_close(trainer.step(*args), eager_step(eager, eager_opt, entry.loss_fn, args, {}))
+    assert trainer.report().skipped["insert_allreduce"] == "single process: no collectives needed"
+    opt.set_lr(0.5)
+    assert opt.get_lr() == 0.5 and opt.param_groups[0]["lr"] == 0.5
+    opt.set_state_dict(opt.state_dict())
+
+    fleet.save_persistables(str(tmp_path / "ckpt"))
+    fleet.save_persistables(str(tmp_path / "ckpt"))  # replaces the old checkpoint
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no temporary directory left behind
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    args, _ = entry.make_batch(g)
+    trainer.step(*args)
+    fleet.load_persistables(str(tmp_path / "ckpt"))
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, saved[name]), name
+    assert float(opt.state_dict()["state"][0]["step"]) == 2.0
+    with pytest.raises(FileNotFoundError, match="not a fleetc checkpoint"):
+        fleet.load_persistables(str(tmp_path))
+
+
+def test_compile_with_a_distributed_optimizer_gives_a_data_parallel_trainer(single_fleet):
+    from fleetc.distributed.trainer import DataParallelTrainer
+
+    model = ZOO["mlp"].make_model()
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert isinstance(fleetc.compile(model, optimizer=opt), DataParallelTrainer)
+
+
+def _run_options(*argv):
+    return build_parser().parse_args(["run", *argv])
+
+
+def test_run_translates_to_torchrun(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    assert torchrun_arguments(_run_options("--nproc_per_node", "2", str(script), "--lr", "3")) == [
+        "--standalone", "--nproc_per_node", "2", "--max_restarts", "0", str(script), "--lr", "3"]
+    assert torchrun_arguments(_run_options("--gpus", "0,1,2", "--ips", "h1,h2", str(script)))[:7] == [
+        "--nnodes", "2", "--rdzv_backend", "c10d", "--rdzv_endpoint", "h1:29500", "--nproc_per_node"]
+
+
+def test_run_rejects_bad_input(capsys, tmp_path):
+    assert main(["run", "--nproc_per_node", "2", str(tmp_path / "missing.py")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "t.py").write_text("")
+    assert main(["run", "--gpus", "a,b", str(tmp_path / "t.py")]) == 2
+    assert "--gpus" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_readme_example_runs_in_two_processes():
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", FLEETC_COLLECTIVE_TIMEOUT="60")
+    done = subprocess.run([sys.executable, "-m", "fleetc", "run", "--nproc_per_node", "2", "examples/train_dp.py", "2"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "step 1: loss" in done.stdout and "rank 0 of 2" in done.stdout
+    assert "fuse_all_reduce_ops: allreduces_before=4, buckets=1" in done.stdout

@@ -1,0 +1,109 @@
+"""Worker bodies the multi-process tests run (`python -m distributed.workers NAME ARGS_JSON OUT_DIR`, one per rank)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+import fleetc
+import fleetc.fleet as fleet
+from fleetc import CollectiveError
+from zoo import OPTIMIZERS, ZOO
+
+
+def global_batches(zoo_name: str, steps: int) -> list:
+    """The same full batches on every rank (and in the single-process reference)."""
+    g = torch.Generator().manual_seed(1)
+    return [ZOO[zoo_name].make_batch(g)[0] for _ in range(steps)]
+
+
+def shard(args: tuple, rank: int, world: int) -> tuple:
+    return tuple(a.chunk(world)[rank] for a in args)
+
+
+def make_strategy(settings: dict) -> fleetc.DistributedStrategy:
+    strategy = fleetc.DistributedStrategy()
+    for key, value in settings.items():
+        setattr(strategy, key, value)
+    return strategy
+
+
+def train(rank: int, world: int, config: dict) -> dict:
+    """Data-parallel training of a zoo model on this rank's shard of each global batch."""
+    entry = ZOO[config["zoo"]]
+    torch.manual_seed(rank)  # different on every rank: the broadcast from rank 0 must make them equal
+    model = entry.make_model()
+    opt = fleet.distributed_optimizer(OPTIMIZERS[config["optimizer"]](model.parameters()),
+                                      make_strategy(config["strategy"]))
+    trainer = fleetc.compile(model, optimizer=opt, loss_fn=entry.loss_fn, verify=True)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    losses = [trainer.step(*shard(batch, rank, world)) for batch in global_batches(config["zoo"], config["steps"])]
+    ops = [op.type for _, op in trainer.program.walk_ops()]
+    return {"initial": initial, "losses": losses, "state": model.state_dict(),
+            "collectives": ops.count("fleetc.c_allreduce_start"), "report": trainer.report().stats,
+            "groups": trainer.program.metadata["collective_groups"]}
+
+
+def train_eagerly(rank: int, world: int, steps: int) -> dict:
+    """A hand-written loop with fleet's optimizer: `step()` averages the gradients before updating."""
+    entry = ZOO["mlp"]
+    torch.manual_seed(0)
+    model = entry.make_model()
+    opt = fleet.distributed_optimizer(OPTIMIZERS["sgd"](model.parameters()))
+    for batch in global_batches("mlp", steps):
+        x, y = shard(batch, rank, world)
+        opt.clear_grad()
+        entry.loss_fn(model(x), y).backward()
+        opt.step()
+    return {"state": model.state_dict()}
+
+
+def train_configs(rank: int, args: dict, out_dir: str) -> None:
+    fleet.init(is_collective=True)
+    results = {"endpoints": fleet.worker_endpoints(), "index": fleet.worker_index(), "num": fleet.worker_num()}
+    results["runs"] = [train(rank, fleet.worker_num(), config) for config in args["configs"]]
+    results["eager"] = train_eagerly(rank, fleet.worker_num(), 2)
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    fleet.barrier_worker()
+    fleet.stop_worker()
+
+
+def faults(rank: int, args: dict, out_dir: str) -> None:
+    """First a plan mismatch (every rank must refuse to run), then rank 1 dies or hangs in step 2."""
+    fleet.init(is_collective=True)
+    entry = ZOO["mlp"]
+    outcome = {}
+    model = entry.make_model()
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                      make_strategy({"fuse_all_reduce_ops": rank == 0}))
+    trainer = fleetc.compile(model, optimizer=opt, loss_fn=entry.loss_fn)
+    batch = shard(global_batches("mlp", 1)[0], rank, fleet.worker_num())
+    try:
+        trainer.step(*batch)
+    except CollectiveError as exc:
+        outcome["mismatch"] = str(exc)
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), make_strategy({}))
+    trainer = fleetc.compile(model, optimizer=opt, loss_fn=entry.loss_fn)
+    trainer.step(*batch)
+    torch.save(outcome, os.path.join(out_dir, f"rank{rank}.pt"))
+    if rank == 1:
+        if args["mode"] == "hang":
+            time.sleep(args["hang_s"])  # far past the survivors' timeout, then exit without a word
+        os._exit(3)
+    start = time.monotonic()
+    try:
+        trainer.step(*batch)
+        outcome["second_step"] = "completed"
+    except CollectiveError as exc:
+        outcome["error"] = str(exc)
+    outcome["seconds"] = time.monotonic() - start
+    torch.save(outcome, os.path.join(out_dir, f"rank{rank}.pt"))
+    os._exit(0)  # the process group is broken; skip its teardown
+
+
+if __name__ == "__main__":
+    name, args, out_dir = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+    globals()[name](int(os.environ["RANK"]), args, out_dir)

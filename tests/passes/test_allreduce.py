@@ -1,0 +1,150 @@
+"""Allreduce insertion, fusion and overlap on captured zoo Programs stamped as 2-rank data parallel (no processes)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fleetc
+from fleetc.errors import PassError
+from fleetc.ir.program import OpRole, Program
+from fleetc.passes.allreduce import START, WAIT, gradient_vars
+from fleetc.passes.allreduce_fusion import MB, plan_buckets
+from fleetc.passes.pipeline import build_pipeline
+from fleetc.passes.instruments import VerifyInstrument
+from fleetc.passes.manager import History, PassManager, PassRecord
+from fleetc.passes.base import PassReport
+from fleetc.ir.liveness import estimate_memory
+from fleetc.strategy import resolve_strategy
+from zoo import OPTIMIZERS, ZOO
+
+
+def _captured(zoo_name: str) -> Program:
+    """The zoo model's training Program after no-op view removal (where the allreduce passes start)."""
+    entry = ZOO[zoo_name]
+    torch.manual_seed(0)
+    model = entry.make_model()
+    trainer = fleetc.compile(model, optimizer=OPTIMIZERS["momentum"](model.parameters()), loss_fn=entry.loss_fn)
+    args, kwargs = entry.make_batch(torch.Generator().manual_seed(1))
+    trainer.step(*args, **kwargs)
+    return trainer.history["remove_noop_views"].program
+
+
+@pytest.fixture(scope="module")
+def programs() -> dict[str, Program]:
+    return {name: _captured(name) for name in ("mlp", "cnn")}
+
+
+def _run(program: Program, world: int = 2, **fields) -> tuple[Program, History]:
+    program = program.clone()
+    program.metadata["data_parallel"] = {"world_size": world}
+    strategy = fleetc.DistributedStrategy()
+    for key, value in fields.items():
+        setattr(strategy, key, value)
+    history = History([PassRecord("start", program, PassReport("start"), 0.0, estimate_memory(program))])
+    config = resolve_strategy(strategy)
+    passes = [p for p in build_pipeline(config) if p.name != "remove_noop_views"]  # the fixture ran it already
+    final = PassManager(passes, [VerifyInstrument()]).run(program, config, history)
+    return final, history
+
+
+def _types(program: Program) -> list[str]:
+    return [op.type for op in program.global_block.ops]
+
+
+def test_every_gradient_gets_an_allreduce_right_after_its_producer(programs):
+    program, history = _run(programs["mlp"], fuse_all_reduce_ops=False)
+    grads = gradient_vars(programs["mlp"])
+    assert len(grads) == 6 and _types(program).count(START) == 6 and _types(program).count(WAIT) == 6
+    ops = program.global_block.ops
+    for i, op in enumerate(ops):
+        if op.type == START:
+            local = op.args[0][0].name
+            assert ops[i - 1].outputs.count(local) == 1, "the start follows the gradient's producer"
+            assert ops[i + 1].type == WAIT and ops[i + 1].outputs == [local.removesuffix("@LOCAL")]
+            assert op.role == OpRole.COLLECTIVE and op.attrs["provenance"] == "insert_allreduce"
+    assert history["insert_allreduce"].report.stats == {"allreduces": 6}
+    assert history["fuse_all_reduce_ops"].report.skipped_reason.startswith("fuse_all_reduce_ops is off")
+    assert history["overlap_allreduce"].report.skipped_reason.startswith("sync_nccl_allreduce is on")
+    optimizer_reads = {n for op in ops if OpRole.OPTIMIZE in op.role for n in op.inputs}
+    assert set(grads) <= optimizer_reads  # the optimizer reads the averaged gradients, under their own names
+
+
+def test_fusion_buckets_by_count_in_production_order(programs):
+    program, history = _run(programs["cnn"], fuse_grad_size_in_TFLOPS=4, nccl_comm_num=2)
+    starts = [op for op in program.global_block.ops if op.type == START]
+    assert len(starts) == 5 and _types(program).count(WAIT) == 5  # 17 gradients, at most 4 per bucket
+    assert [len(s.args[0]) for s in starts] == [4, 4, 4, 4, 1]
+    assert [s.args[1] for s in starts] == [0, 1, 0, 1, 0]  # communicators round-robin
+    first = [ref.name for ref in starts[0].args[0]]
+    assert first[:2] == ["head.weight@GRAD@LOCAL", "head.bias@GRAD@LOCAL"]  # backward produces the head first
+    assert history["fuse_all_reduce_ops"].report.stats == {"allreduces_before": 17, "buckets": 5, "gradients": 17}
+    flat = program.var(starts[0].outputs[0])
+    assert flat.shape == (sum(program.var(r.name).nbytes() for r in starts[0].args[0]) // 4,)
+
+
+def test_first_bucket_is_small_and_size_cap_closes_buckets(programs):
+    program, _ = _run(programs["mlp"], last_comm_group_size_MB=0.001, fuse_grad_size_in_MB=1)
+    sizes = [[r.name for r in op.args[0]] for op in program.global_block.ops if op.type == START]
+    # the first bucket closes at ~1 KB (out.weight alone is 2.5 KB): out.weight, then everything else in 1 MB
+    assert sizes == [["out.weight@GRAD@LOCAL"], ["out.bias@GRAD@LOCAL", "fc2.weight@GRAD@LOCAL",
+                                                 "fc2.bias@GRAD@LOCAL", "fc1.weight@GRAD@LOCAL",
+                                                 "fc1.bias@GRAD@LOCAL"]]
+
+
+def test_buckets_are_grouped_by_dtype_with_a_small_first_bucket_each():
+    grads = [("a", "float32", 100), ("b", "float16", 50), ("c", "float32", 100), ("d", "float16", 50),
+             ("e", "float32", 100)]
+    buckets = plan_buckets(grads, cap_bytes=250, first_cap_bytes=100, max_grads=50)
+    assert [(b.dtype, b.grads) for b in buckets] == [
+        ("float32", ["a"]), ("float16", ["b", "d"]), ("float32", ["c", "e"])]
+    assert [b.grads for b in plan_buckets(grads, 1 * MB, 1 * MB, 2)] == [["a", "c"], ["b", "d"], ["e"]]
+
+
+def test_overlap_waits_just_before_the_first_consumer(programs):
+    program, history = _run(programs["cnn"], sync_nccl_allreduce=False, fuse_grad_size_in_TFLOPS=4)
+    ops = program.global_block.ops
+    for i, op in enumerate(ops):
+        if op.type == WAIT:
+            start = next(j for j, s in enumerate(ops) if s.type == START and s.outputs[1] == op.args[1].name)
+            assert start < i
+            assert set(op.outputs) & set(ops[i + 1].inputs) or ops[i + 1].type == WAIT
+            assert not any(set(op.outputs) & set(o.inputs) for o in ops[start + 1:i])
+    first_wait = next(i for i, op in enumerate(ops) if op.type == WAIT)
+    last_backward = max(i for i, op in enumerate(ops) if OpRole.BACKWARD in op.role)
+    assert first_wait > last_backward  # all of backward runs while the buckets are in flight
+    assert history["overlap_allreduce"].report.stats == {"waits_moved": 5}
+
+
+def test_single_process_programs_are_left_alone(programs):
+    program, history = _run(programs["mlp"], world=1, sync_nccl_allreduce=False)
+    assert START not in _types(program)
+    for name in ("insert_allreduce", "fuse_all_reduce_ops", "overlap_allreduce"):
+        assert history[name].report.skipped_reason == "single process: no collectives needed"
+        assert not history[name].report.changed
+
+
+def test_hierarchical_needs_a_node_size_that_divides_the_world(programs):
+    with pytest.raises(PassError, match="hierarchical_allreduce_inter_nranks=3"):
+        _run(programs["mlp"], world=4, use_hierarchical_allreduce=True, hierarchical_allreduce_inter_nranks=3)
+    program, _ = _run(programs["mlp"], world=4, use_hierarchical_allreduce=True, hierarchical_allreduce_inter_nranks=2)
+    assert {op.args[2] for op in program.global_block.ops if op.type == START} == {"hierarchical"}
+    assert program.metadata["collective_groups"] == {"intra:0": [[0, 1], [2, 3]], "inter:0": [[0, 2], [1, 3]]}
+
+
+def test_sync_batch_norm_replaces_training_batch_norms_and_their_backwards(programs):
+    program, history = _run(programs["cnn"], sync_batch_norm=True)
+    types = _types(program)
+    assert types.count("fleetc.sync_batch_norm") == 5 and types.count("fleetc.sync_batch_norm_backward") == 5
+    assert "aten._native_batch_norm_legit_functional.default" not in types
+    assert all(OpRole.COLLECTIVE in op.role for op in program.global_block.ops if "sync_batch_norm" in op.type)
+    assert history["sync_batch_norm"].report.stats == {"batch_norms_synced": 5, "backwards_synced": 5}
+    _, single = _run(programs["cnn"], world=1, sync_batch_norm=True)
+    assert single["sync_batch_norm"].report.skipped_reason == "single process: no collectives needed"
+    _, no_bn = _run(programs["mlp"], sync_batch_norm=True)
+    assert no_bn["sync_batch_norm"].report.skipped_reason == "the Program has no training-mode batch norm"
+
+
+def test_gradient_merge_then_allreduce_keeps_the_program_valid(programs):
+    program, history = _run(programs["mlp"], gradient_merge=True, gradient_merge_configs={"k_steps": 2})
+    assert history["gradient_merge"].report.changed and _types(program).count(START) == 1
+    assert history["insert_allreduce"].report.stats == {"allreduces": 6}
