@@ -31,3 +31,7 @@ class CheckpointError(FleetcError, ValueError):
 
 class CollectiveError(FleetcError, RuntimeError):
     """A collective failed or timed out, or ranks planned different collectives; names the collective and the ranks."""
+
+
+class PassStrategyError(StrategyError, PassError):
+    """A strategy value only a pass can check against the Program (e.g. a recompute checkpoint naming nothing)."""

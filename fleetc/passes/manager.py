@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from fleetc.errors import PassError, StrategyError
+from fleetc.errors import PassError
 from fleetc.ir.liveness import MemoryEstimate, estimate_memory
 from fleetc.ir.program import Program
 from fleetc.passes.base import Pass, PassReport
@@ -113,7 +113,7 @@ class PassManager:
             start = time.perf_counter()
             try:
                 program, report = p.run(program.clone(), config)
-            except (PassError, StrategyError):  # already name the problem; a strategy error stays catchable as one
+            except PassError:
                 raise
             except Exception as exc:
                 raise PassError(f"pass {p.name!r} failed: {type(exc).__name__}: {exc}") from exc

@@ -13,7 +13,7 @@ from typing import Callable
 
 import networkx as nx
 
-from fleetc.errors import StrategyError
+from fleetc.errors import PassStrategyError
 from fleetc.ir.liveness import aliased_input
 from fleetc.passes.recompute_checkpoints import checkpoint_plan, module_outputs
 from fleetc.passes.recompute_plan import ForwardRegion, RecomputePlan, recompute_cost
@@ -113,6 +113,6 @@ def budget_plan(region: ForwardRegion, policy: RecomputePolicy, budget_mb: float
                 "cheapest first: " + ", ".join(f"'{c.plan.label}' {c.peak_bytes / 2**20:.2f} MiB" for c in tried))
             return candidate.plan
     best = min(candidates, key=lambda c: c.peak_bytes)
-    raise StrategyError(
+    raise PassStrategyError(
         f"recompute_configs.memory_budget_mb={budget_mb:g}: no recompute plan fits; the smallest "
         f"estimated peak fleetc can reach is {best.peak_bytes / 2**20:.2f} MiB ({best.plan.label})")

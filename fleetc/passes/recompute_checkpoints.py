@@ -5,7 +5,7 @@ import bisect
 import difflib
 from dataclasses import dataclass
 
-from fleetc.errors import StrategyError
+from fleetc.errors import PassStrategyError
 from fleetc.passes.recompute_plan import ForwardRegion, RecomputePlan
 
 FIELD = "recompute_configs.checkpoints"
@@ -50,7 +50,7 @@ def resolve(region: ForwardRegion, names: tuple[str, ...], outputs: dict[str, st
             what = ("names a parameter/state/backward Var, not a forward value"
                     if region.program.find_var(name) is not None else "matches no module path or forward Var")
             hint = f"closest valid checkpoints: {close}" if close else f"module paths: {sorted(outputs)[:20]}"
-            raise StrategyError(f"{FIELD}: {name!r} {what}; {hint}")
+            raise PassStrategyError(f"{FIELD}: {name!r} {what}; {hint}")
     return resolved
 
 
