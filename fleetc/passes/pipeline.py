@@ -10,20 +10,43 @@ from typing import Any
 
 from fleetc.passes.base import Pass
 from fleetc.passes.dce import DeadCodeElimination
+from fleetc.passes.fusion_dropout import FuseDropoutAdd
+from fleetc.passes.fusion_elementwise import FuseElementwiseAddAct
+from fleetc.passes.fusion_gemm import FuseGemmEpilogue
+from fleetc.passes.fusion_norm import FuseBnAct, FuseBnAddAct
+from fleetc.passes.fusion_optimizer import FuseOptimizerOps
 from fleetc.passes.noop_views import RemoveNoopViews
+
+# Named op fusions, each run only when its flag is on. Larger and more specific patterns come first,
+# so where matches overlap (bn+add+relu vs add+relu) the outcome is fixed by this order.
+_FUSIONS = (
+    FuseBnAddAct,  # bn + residual add + act (ResNet block tail)
+    FuseBnAct,  # bn + act
+    FuseGemmEpilogue,  # addmm [+ view] [+ act]; backward dX, dW, dBias in one op
+    FuseDropoutAdd,  # dropout + residual add
+    FuseElementwiseAddAct,  # whatever add + act remains
+)
 
 
 def build_pipeline(config: Any) -> list[Pass]:
     """The passes to run for a strategy config, in order."""
     return [
         RemoveNoopViews(),  # detach/clone/same-shape views from capture hide fusion patterns and cost calls
+        # (AMP and recompute go here, before fusion: fused ops must see final dtypes and replayed segments)
+        *(fusion() for fusion in _FUSIONS if _enabled(config, fusion)),  # fewer, larger ops
+        # (gradient merge, allreduce, sharding and pipeline split go here)
+        *([FuseOptimizerOps()] if _enabled(config, FuseOptimizerOps) else []),  # one multi-tensor update per group
         DeadCodeElimination(),  # results nobody reads (e.g. saved stats of unused outputs)
     ]
 
 
+def _enabled(config: Any, pass_type: type) -> bool:
+    return _lookup(config, pass_type.reads[0]) is True
+
+
 def all_pass_names() -> list[str]:
     """Every pass name the pipeline can contain (for --disable-pass validation)."""
-    return [RemoveNoopViews.name, DeadCodeElimination.name]
+    return [RemoveNoopViews.name, *(f.name for f in _FUSIONS), FuseOptimizerOps.name, DeadCodeElimination.name]
 
 
 # Strategy switches whose rewrite is not built yet: (dotted field, what would implement it).
@@ -39,12 +62,6 @@ _PENDING = (
     ("adaptive_localsgd", "adaptive LocalSGD"),
     ("sync_batch_norm", "data-parallel training"),
     ("use_hierarchical_allreduce", "data-parallel training"),
-    ("build_strategy.fuse_elewise_add_act_ops", "the elementwise add+activation fusion pass"),
-    ("build_strategy.fuse_bn_act_ops", "the batch-norm+activation fusion pass"),
-    ("build_strategy.fuse_bn_add_act_ops", "the batch-norm+add+activation fusion pass"),
-    ("build_strategy.fuse_gemm_epilogue", "the gemm-epilogue fusion pass"),
-    ("build_strategy.fuse_dropout_add", "the dropout+add fusion pass"),
-    ("build_strategy.fuse_all_optimizer_ops", "the fused optimizer pass"),
     ("build_strategy.enable_auto_fusion", "automatic elementwise fusion"),
     ("build_strategy.fuse_relu_depthwise_conv", "a relu+depthwise-conv fusion pass"),
     ("build_strategy.fuse_broadcast_ops", "a broadcast fusion pass (data parallel only)"),
