@@ -15,15 +15,21 @@ _BN_BACKWARD = "aten.native_batch_norm_backward.default"
 _ADD = "aten.add.Tensor"
 
 
-def _running_stat_assigns(index: BlockIndex, bn: Op) -> list[Op] | None:
-    """The `fleetc.assign` ops copying a training bn's new running stats into its buffers (both, or None)."""
-    assigns = []
+def _running_stat_writes(index: BlockIndex, bn: Op) -> list[Op] | None:
+    """The ops copying a training bn's new running stats into its buffers: `fleetc.assign(buffer, new)`, after a
+    `_to_copy` to the buffer's dtype when it is not the statistics' dtype (bf16 buffers). None if not exactly that."""
+    writes = []
     for new, buffer in ((bn.outputs[3], bn.args[3]), (bn.outputs[4], bn.args[4])):
-        writers = [r for r in index.readers.get(new, []) if r.type == "fleetc.assign" and r.args[0] == buffer]
-        if len(writers) != 1:
+        value, chain = new, []
+        casts = [r for r in index.readers.get(new, []) if r.type == "aten._to_copy.default" and r.args[0] == Ref(new)]
+        if len(casts) == 1:
+            chain.append(casts[0])
+            value = casts[0].outputs[0]
+        assigns = [r for r in index.readers.get(value, []) if r.type == "fleetc.assign" and r.args[0] == buffer]
+        if len(assigns) != 1:
             return None
-        assigns.append(writers[0])
-    return assigns
+        writes += [*chain, assigns[0]]
+    return writes
 
 
 def _activation_of(index: BlockIndex, name: str) -> tuple[Op, Any, Any] | None:
@@ -57,8 +63,8 @@ def _match_bn(index: BlockIndex, op: Op, with_add: bool) -> Fusion | None:
     momentum, eps = (op.args[6], op.args[7]) if training else (op.args[5], op.args[6])
     if training and op.args[5] is not True:
         return None
-    assigns = _running_stat_assigns(index, op) if training else []
-    if assigns is None:
+    writes = _running_stat_writes(index, op) if training else []
+    if writes is None:
         return None
     pre, residual, add = op.outputs[0], None, None
     if with_add:
@@ -71,15 +77,17 @@ def _match_bn(index: BlockIndex, op: Op, with_add: bool) -> Fusion | None:
     if found_act is None:
         return None
     act_op, act, param = found_act
-    group = [op, *assigns, *([add] if add else []), act_op]
+    group = [op, *writes, *([add] if add else []), act_op]
     saves = [op.outputs[1], op.outputs[2]] if training else [None, None]
     outputs = [act_op.outputs[0], kept(index, group, pre), *(kept(index, group, n) for n in saves)]
     args = (x, *([residual] if with_add else []), weight, bias, rmean, rvar, training, momentum, eps, act.name, param)
     kind = "bn_add_act" if with_add else "bn_act"
     fused = Op(f"fused_{kind}", f"fleetc.fused_{kind}", args,
                outputs=outputs + ([rmean.name, rvar.name] if training else []))
-    # After the fused op the buffers hold the new running stats, so later readers use them.
+    # After the fused op the buffers hold the new running stats (in their own dtype), so later readers use them;
+    # the only such reader is the training-mode backward, which reads the saved batch statistics instead.
     rename = {op.outputs[3]: rmean.name, op.outputs[4]: rvar.name} if training else {}
+    rename.update({w.args[1].name: w.args[0].name for w in writes if w.type == "fleetc.assign"})
     return Fusion(group, fused, rename)
 
 
