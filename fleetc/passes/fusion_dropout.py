@@ -15,7 +15,7 @@ def _match_forward(index: BlockIndex, op: Op) -> Fusion | None:
     if op.type != _DROPOUT or op.kwargs or op.outputs[0] is None:
         return None
     dropped = Ref(op.outputs[0])
-    add = index.sole_reader(dropped.name)
+    add = index.next_in_chain(dropped.name)
     if add is None or add.type != "aten.add.Tensor" or add.kwargs or add.args.count(dropped) != 1:
         return None
     residual = next(a for a in add.args if a != dropped)

@@ -25,14 +25,14 @@ def _activation(op: Op | None) -> tuple[Any, Any] | None:
 
 def _match_forward(index: BlockIndex, op: Op) -> Fusion | None:
     if _is_plain_add(op):  # act(x + y)
-        act_op = index.sole_reader(op.outputs[0])
+        act_op = index.next_in_chain(op.outputs[0])
         found = _activation(act_op)
         if found is None or act_op.args[0] != Ref(op.outputs[0]):
             return None
         (act, param), group, (x, y), act_first = found, [op, act_op], op.args, False
     else:  # x + act(y)
         found = _activation(op)
-        add = index.sole_reader(op.outputs[0]) if found else None
+        add = index.next_in_chain(op.outputs[0]) if found else None
         if not _is_plain_add(add) or add.args.count(Ref(op.outputs[0])) != 1:
             return None
         (act, param), group, act_first = found, [op, add], True

@@ -19,11 +19,11 @@ def _match_forward(index: BlockIndex, op: Op) -> Fusion | None:
     if len(index.program.var(op.args[0].name).shape or ()) != 1:
         return None  # only a per-column bias is an epilogue
     group, out, out_shape = [op], op.outputs[0], None
-    reader = index.sole_reader(out)
+    reader = index.next_in_chain(out)
     if reader is not None and reader.type == _VIEW and reader.args[0] == Ref(out):
         group.append(reader)
         out, out_shape = reader.outputs[0], list(reader.args[1])
-        reader = index.sole_reader(out)
+        reader = index.next_in_chain(out)
     act, param = None, None
     found = match_activation(reader.type, reader.args, reader.kwargs) if reader is not None else None
     if found is not None and reader.args[0] == Ref(out):

@@ -31,12 +31,13 @@ class BlockIndex:
                 self.definer.setdefault(name, op)
         self.fetched = set(program.fetches.values())
 
-    def sole_reader(self, name: str) -> Op | None:
-        """The one op reading a temporary nobody else (nor a fetch) reads, else None."""
-        readers = self.readers.get(name, [])
-        if len(readers) != 1 or name in self.fetched or self.program.var(name, self.block.idx).kind is not VarKind.TEMP:
+    def next_in_chain(self, name: str) -> Op | None:
+        """The one non-backward op reading a temporary, when every other reader is a backward op (which then
+        reads the value from the fused op's extra output) and no fetch needs it; else None."""
+        if name in self.fetched or self.program.var(name, self.block.idx).kind is not VarKind.TEMP:
             return None
-        return readers[0]
+        forward = [op for op in self.readers.get(name, []) if OpRole.BACKWARD not in op.role]
+        return forward[0] if len(forward) == 1 else None
 
     def read_outside(self, name: str, group: list[Op]) -> bool:
         members = {op.name for op in group}

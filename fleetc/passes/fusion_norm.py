@@ -33,8 +33,8 @@ def _running_stat_writes(index: BlockIndex, bn: Op) -> list[Op] | None:
 
 
 def _activation_of(index: BlockIndex, name: str) -> tuple[Op, Any, Any] | None:
-    """(act op, activation, constant) when the sole reader of `name` is an activation of it."""
-    reader = index.sole_reader(name)
+    """(act op, activation, constant) when the forward reader of `name` is an activation of it."""
+    reader = index.next_in_chain(name)
     if reader is None or not reader.args or reader.args[0] != Ref(name):
         return None
     found = match_activation(reader.type, reader.args, reader.kwargs)
@@ -42,8 +42,8 @@ def _activation_of(index: BlockIndex, name: str) -> tuple[Op, Any, Any] | None:
 
 
 def _residual_add(index: BlockIndex, name: str) -> tuple[Op, Ref] | None:
-    """(add op, the other addend) when the sole reader of `name` is `add.Tensor(name, z)` or `(z, name)`."""
-    add = index.sole_reader(name)
+    """(add op, the other addend) when the forward reader of `name` is `add.Tensor(name, z)` or `(z, name)`."""
+    add = index.next_in_chain(name)
     if add is None or add.type != _ADD or add.kwargs or len(add.args) != 2:
         return None
     a, b = add.args
