@@ -32,8 +32,8 @@ def fused_elemwise_add_act(x: torch.Tensor, y: torch.Tensor, act_first: bool, ac
     """
     if act_first:
         inter = apply(act, y, param)
-        return aten.add(x, inter), inter
-    inter = aten.add(x, y)
+        return aten.add.Tensor(x, inter), inter
+    inter = aten.add.Tensor(x, y)
     return apply(act, inter, param), inter
 
 
@@ -56,11 +56,11 @@ def fused_dropout_add(x: torch.Tensor, residual: torch.Tensor, p: float, train: 
     training matches eager under the same seed; a counter-based (seed, offset) regeneration needs a
     Philox generator, which a CUDA kernel can use but the CPU generator is not.
     """
-    dropped, mask = aten.native_dropout(x, p, train)
-    return aten.add(residual, dropped), mask
+    dropped, mask = aten.native_dropout.default(x, p, train)
+    return aten.add.Tensor(residual, dropped), mask
 
 
 @register_op("fused_dropout_add_grad", "gradient of a fused dropout+add with respect to the dropped input")
 def fused_dropout_add_grad(dout: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """aten: `native_dropout_backward(dout, mask, scale)`; the residual's gradient is `dout` itself."""
-    return aten.native_dropout_backward(dout, mask, scale)
+    return aten.native_dropout_backward.default(dout, mask, scale)

@@ -18,9 +18,9 @@ def fused_gemm_epilogue(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor, 
 
     Returns (out, h); the pass keeps `h` only when the backward reads it.
     """
-    h = aten.addmm(bias, x, w_t)
+    h = aten.addmm.default(bias, x, w_t)
     if out_shape is not None:
-        h = aten.view(h, out_shape)
+        h = aten.view.default(h, out_shape)
     return (apply(act, h, param) if act else h), h
 
 
@@ -33,9 +33,9 @@ def fused_gemm_epilogue_grad(dout: torch.Tensor, saved: torch.Tensor | None, x: 
     Returns (dx, dw, db); `dw` has the weight's own layout ([out, in]).
     """
     g = apply_grad(act, dout, saved, param) if act else dout
-    g = aten.view(g, [-1, g.shape[-1]]) if g.dim() != 2 else g
+    g = aten.view.default(g, [-1, g.shape[-1]]) if g.dim() != 2 else g
     need_dx, need_dw, need_db = output_mask
-    dx = aten.mm(g, aten.t(w_t)) if need_dx else None
-    dw = aten.mm(aten.t(g), x) if need_dw else None
-    db = aten.view(aten.sum(g, [0], True), [g.shape[1]]) if need_db else None
+    dx = aten.mm.default(g, aten.t.default(w_t)) if need_dx else None
+    dw = aten.mm.default(aten.t.default(g), x) if need_dw else None
+    db = aten.view.default(aten.sum.dim_IntList(g, [0], True), [g.shape[1]]) if need_db else None
     return dx, dw, db

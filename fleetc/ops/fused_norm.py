@@ -14,8 +14,8 @@ aten = torch.ops.aten
 def _batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps):
     # The in-place variant updates running stats itself: same kernel as the functional one plus copies.
     if training:
-        return aten._native_batch_norm_legit(x, weight, bias, running_mean, running_var, True, momentum, eps)
-    return aten._native_batch_norm_legit_no_training(x, weight, bias, running_mean, running_var, momentum, eps)
+        return aten._native_batch_norm_legit.default(x, weight, bias, running_mean, running_var, True, momentum, eps)
+    return aten._native_batch_norm_legit_no_training.default(x, weight, bias, running_mean, running_var, momentum, eps)
 
 
 @register_op("fused_bn_act", "batch norm + activation; training updates the running statistics in place")
@@ -38,7 +38,7 @@ def fused_bn_add_act(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
                      eps: float, act: str, param: Any) -> tuple[torch.Tensor, ...]:
     """aten: as fused_bn_act, with `pre = add.Tensor(bn, residual); out = <act>(pre)`. Returns (out, pre, mean, rstd)."""
     normed, mean, rstd = _batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps)
-    pre = aten.add(normed, residual)
+    pre = aten.add.Tensor(normed, residual)
     return apply(act, pre, param), pre, mean, rstd
 
 
@@ -53,6 +53,6 @@ def fused_bn_act_grad(dout: torch.Tensor, saved: torch.Tensor | None, x: torch.T
     Returns (dx, dw, db, dpre); `dpre` is the residual's gradient for fused_bn_add_act.
     """
     dpre = apply_grad(act, dout, saved, param)
-    dx, dw, db = aten.native_batch_norm_backward(dpre, x, weight, running_mean, running_var, save_mean, save_rstd,
+    dx, dw, db = aten.native_batch_norm_backward.default(dpre, x, weight, running_mean, running_var, save_mean, save_rstd,
                                                  training, eps, output_mask)
     return dx, dw, db, dpre

@@ -8,10 +8,10 @@ backward always fuse the same branch. A forward group whose backward cannot be f
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 from fleetc.ir.liveness import block_reads
-from fleetc.ir.program import Block, Op, OpRole, Program, Ref, VarKind
+from fleetc.ir.program import Block, Op, OpRole, Program, VarKind
 from fleetc.passes.base import PassReport
 from fleetc.passes.dce import drop_unused_temporaries
 
@@ -156,10 +156,6 @@ def fuse_forward_and_backward(program: Program, report: PassReport, pass_name: s
     if fused_forward:
         drop_unused_temporaries(program)
         report.changed = True
-
-
-def ref_name(value: Any) -> str | None:
-    return value.name if isinstance(value, Ref) else None
 
 
 def no_match_reason(report: PassReport, pattern: str) -> None:
