@@ -13,10 +13,11 @@ import pytest
 import fleetc
 from fleetc.cli import main
 from fleetc.ir.serialize import from_dict, program_from_json
-from fleetc.passes.pipeline import all_pass_names
+from fleetc.passes.pipeline import build_pipeline
+from fleetc.strategy import resolve_strategy
 
 TESTS_DIR = pathlib.Path(__file__).resolve().parent
-STAGES = ["capture", *all_pass_names()]
+STAGES = ["capture", *(p.name for p in build_pipeline(resolve_strategy(None)))]  # the default strategy's passes
 
 
 def dump(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:

@@ -24,6 +24,10 @@ def test_mlp_each_linear_becomes_one_forward_and_one_backward_op():
     assert types.count("fleetc.fused_gemm_epilogue") == 3 and types.count("fleetc.fused_gemm_epilogue_grad") == 3
     assert not {"aten.addmm.default", "aten.mm.default", "aten.relu.default", "aten.threshold_backward.default",
                 "aten.sum.dim_IntList"} & set(types)
+    x = torch.randn(5, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(run.trainer(x), run.eager_model(x), rtol=1e-6, atol=1e-6)
+    assert op_types(run.trainer.eval_program).count("fleetc.fused_gemm_epilogue") == 3
 
 
 def test_gpt_linears_with_leading_batch_dims_fuse_through_the_reshape():
