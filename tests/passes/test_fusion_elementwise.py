@@ -13,6 +13,8 @@ import fleetc
 from conftest import run_side_by_side
 from fleetc.ops.activations import ACTIVATIONS
 from fleetc.ops.fused_elementwise import fused_elemwise_add_act, fused_elemwise_add_act_grad
+from fleetc.passes.fusion_elementwise import FuseElementwiseAddAct
+from fleetc.passes.fusion_norm import FuseBnAddAct
 
 # (activation, its constant, the torch function a user writes)
 CASES = [
@@ -75,6 +77,16 @@ def test_cnn_residual_add_relu_fuses_alone_but_yields_to_bn_add_act():
     assert stats(both.trainer, "fuse_bn_add_act")["forward_groups"] == 2
     assert "fuse_elewise_add_act" in both.trainer.report().skipped
     assert "fleetc.fused_elemwise_add_act" not in op_types(both.trainer.program)
+    # rerunning the passes on the captured Program gives the same Program, and every fused backward op
+    # differentiates a fused forward op of the same pass (the same branch)
+    captured = both.trainer.history["remove_noop_views"].program
+    again = captured.clone()
+    for fusion in (FuseBnAddAct(), FuseElementwiseAddAct()):
+        again, _ = fusion.run(again, both.trainer.config)
+    assert str(again) == str(both.trainer.history["fuse_elewise_add_act"].program)
+    ops = {op.name: op for op in again.global_block.ops}
+    grads = [op for op in ops.values() if op.type == "fleetc.fused_bn_act_grad"]
+    assert len(grads) == 2 and all(ops[op.attrs["forward_op"]].type == "fleetc.fused_bn_add_act" for op in grads)
 
 
 @pytest.mark.parametrize("act, param, fn", CASES)
