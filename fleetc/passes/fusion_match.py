@@ -123,22 +123,23 @@ BackwardMatcher = Callable[[BlockIndex, Op, list], "Fusion | str"]
 
 def fuse_forward_and_backward(program: Program, report: PassReport, pass_name: str, match_forward: Matcher,
                               match_backward: BackwardMatcher | None) -> None:
-    """Fuse every forward group `match_forward` finds, then each one's backward group; count both.
+    """Fuse every forward group `match_forward` finds in the global block, then each one's backward group.
 
     `match_backward(index, fused_forward_op, backward_ops)` returns the backward Fusion, or a reason
     (str) why this group's backward cannot be fused; it is only called when backward ops exist.
     """
     block = program.global_block
     fused_forward: list[Op] = []
+    index = BlockIndex(program, block)
     i = 0
     while i < len(block.ops):
-        index = BlockIndex(program, block)
         fusion = match_forward(index, block.ops[i])
         if fusion is not None and apply_fusion(index, fusion, pass_name) is None:
             fused_forward.append(fusion.fused)
             report.count("forward_groups")
             report.count("ops_removed", len(fusion.group) - 1)
-            i = block.ops.index(fusion.fused)
+            index = BlockIndex(program, block)
+            continue  # position i now holds the fused op or the op that moved up into it
         i += 1
     for fwd in fused_forward:
         index = BlockIndex(program, block)
