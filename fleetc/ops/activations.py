@@ -39,9 +39,10 @@ ACTIVATIONS: dict[str, Activation] = {a.name: a for a in (
                "max(x, 0)", "where(y <= 0, 0, g)"),
     Activation("gelu", "aten.gelu.default", "aten.gelu_backward.default", "input",
                lambda x, p: aten.gelu.default(x, approximate=p), lambda g, x, p: aten.gelu_backward.default(g, x, approximate=p),
-               "x * 0.5 * (1 + erf(x / sqrt(2)))  if param == 'none' else "
-               "0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x**3)))",
-               "g * d/dx gelu(x)"),
+               "0.5 * x * (1 + erf(x / sqrt(2)))  if param == 'none' else "
+               "0.5 * x * (1 + t), t = tanh(sqrt(2 / pi) * (x + 0.044715 * x**3))",
+               "g * (0.5 * (1 + erf(x / sqrt(2))) + x * exp(-x * x / 2) / sqrt(2 * pi))  if param == 'none' else "
+               "g * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * sqrt(2 / pi) * (1 + 3 * 0.044715 * x**2))"),
     Activation("silu", "aten.silu.default", "aten.silu_backward.default", "input",
                lambda x, p: aten.silu.default(x), lambda g, x, p: aten.silu_backward.default(g, x),
                "x * sigmoid(x)", "g * sigmoid(x) * (1 + x * (1 - sigmoid(x)))"),
