@@ -13,15 +13,13 @@ import time
 import torch
 
 import fleetc
+from fleetc.passes.pipeline import fusion_flags
 from zoo import OPTIMIZERS, ZOO
-
-FUSION_FLAGS = ("fuse_elewise_add_act_ops", "fuse_bn_act_ops", "fuse_bn_add_act_ops", "fuse_gemm_epilogue",
-                "fuse_dropout_add", "fuse_all_optimizer_ops")
 
 
 def _strategy(on: bool) -> fleetc.DistributedStrategy:
     strategy = fleetc.DistributedStrategy()
-    for flag in FUSION_FLAGS:
+    for flag in fusion_flags():
         setattr(strategy.build_strategy, flag, on)
     return strategy
 

@@ -44,6 +44,11 @@ def _enabled(config: Any, pass_type: type) -> bool:
     return _lookup(config, pass_type.reads[0]) is True
 
 
+def fusion_flags() -> list[str]:
+    """The build_strategy fields that switch the named fusion passes on, in pipeline order."""
+    return [p.reads[0].removeprefix("build_strategy.") for p in (*_FUSIONS, FuseOptimizerOps)]
+
+
 def all_pass_names() -> list[str]:
     """Every pass name the pipeline can contain (for --disable-pass validation)."""
     return [RemoveNoopViews.name, *(f.name for f in _FUSIONS), FuseOptimizerOps.name, DeadCodeElimination.name]

@@ -4,9 +4,9 @@ from __future__ import annotations
 import torch
 
 import fleetc
+from fleetc.passes.pipeline import fusion_flags
 
-FUSION_FLAGS = ("fuse_elewise_add_act_ops", "fuse_bn_act_ops", "fuse_bn_add_act_ops", "fuse_gemm_epilogue",
-                "fuse_dropout_add", "fuse_all_optimizer_ops")
+FUSION_FLAGS = tuple(fusion_flags())
 
 
 def fusion_strategy(*flags: str) -> fleetc.DistributedStrategy:
