@@ -5,6 +5,7 @@ import pytest
 from fusion_helpers import FUSION_FLAGS, fusion_strategy
 
 from conftest import run_side_by_side
+from fleetc.ops import registered_ops
 from zoo import ZOO
 
 # zoo model → pass → (forward groups, backward groups) fused with every flag on; passes absent here must
@@ -32,6 +33,16 @@ def _check_counts(zoo_name: str, trainer) -> None:
         else:
             assert (stats["forward_groups"], stats["backward_groups"]) == EXPECTED[zoo_name][name], name
             assert "backward_not_fused" not in stats
+    for op in trainer.program.global_block.ops:
+        if op.type.startswith("fleetc.fused_"):
+            assert op.attrs["provenance"] in FUSION_PASSES and op.attrs["op_role"] and "module_path" in op.attrs
+
+
+def test_every_fused_op_documents_its_aten_decomposition():
+    fused = {name: d for name, d in registered_ops().items() if name.startswith("fleetc.fused_")}
+    assert len(fused) == 11
+    for name, op in fused.items():
+        assert "aten" in (op.reference.__doc__ or ""), f"{name} has no aten decomposition in its docstring"
 
 
 @pytest.mark.slow
