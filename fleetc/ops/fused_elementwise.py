@@ -71,7 +71,7 @@ def reference(*inputs: torch.Tensor, steps: tuple, results: tuple) -> Any:
 
 @register_op("fused_elementwise", "a chain of pointwise aten ops with an optional trailing reduction, one kernel")
 def fused_elementwise(*inputs: torch.Tensor, steps: tuple, results: tuple, name: str) -> Any:
-    """CUDA tensors run the generated Triton kernel; every other device runs `reference`."""
+    """CUDA tensors run the generated Triton kernel; every other device runs `reference` (the aten steps in order)."""
     if inputs[0].is_cuda:
         from fleetc.codegen.triton.launch import run_fused_elementwise
 

@@ -15,10 +15,25 @@ from fleetc.passes.amp import AutoMixedPrecision
 from fleetc.passes.auto_fusion import AutoFusion
 from fleetc.passes.base import Pass
 from fleetc.passes.dce import DeadCodeElimination
+from fleetc.passes.fusion_dropout import FuseDropoutAdd
+from fleetc.passes.fusion_elementwise import FuseElementwiseAddAct
+from fleetc.passes.fusion_gemm import FuseGemmEpilogue
+from fleetc.passes.fusion_norm import FuseBnAct, FuseBnAddAct
+from fleetc.passes.fusion_optimizer import FuseOptimizerOps
 from fleetc.passes.gradient_merge import GradientMerge
 from fleetc.passes.noop_views import RemoveNoopViews
 from fleetc.passes.recompute import Recompute, RecomputePolicy
 from fleetc.passes.sync_batch_norm import SyncBatchNorm
+
+# Named op fusions, each run only when its flag is on. Larger and more specific patterns come first,
+# so where matches overlap (bn+add+relu vs add+relu) the outcome is fixed by this order.
+_FUSIONS = (
+    FuseBnAddAct,  # bn + residual add + act (ResNet block tail)
+    FuseBnAct,  # bn + act
+    FuseGemmEpilogue,  # addmm [+ view] [+ act]; backward dX, dW, dBias in one op
+    FuseDropoutAdd,  # dropout + residual add
+    FuseElementwiseAddAct,  # whatever add + act remains
+)
 
 
 def build_pipeline(config: Any, recompute_policy: RecomputePolicy | None = None) -> list[Pass]:
@@ -26,23 +41,35 @@ def build_pipeline(config: Any, recompute_policy: RecomputePolicy | None = None)
     return [
         RemoveNoopViews(),  # detach/clone/same-shape views from capture hide fusion patterns and cost calls
         *([AutoMixedPrecision()] if config.amp else []),  # casts first: later passes see the final dtypes
-        *([Recompute(recompute_policy)] if config.recompute else []),  # after view cleanup: fewer ops to re-run
+        SyncBatchNorm(),  # data parallel only: batch-norm statistics over all ranks' samples (before bn fusion)
+        *([Recompute(recompute_policy)] if config.recompute else []),  # before fusion: replayed ops get fused too
+        *(fusion() for fusion in _FUSIONS if _enabled(config, fusion)),  # fewer, larger ops
         # after the named fusion passes: fuses the pointwise chains they leave
         *([AutoFusion()] if config.build_strategy.enable_auto_fusion else []),
         *([GradientMerge()] if config.gradient_merge else []),  # update once per k steps, on summed gradients
-        SyncBatchNorm(),  # data parallel only: batch-norm statistics over all ranks' samples
         InsertAllreduce(),  # data parallel only: average every gradient across ranks
         FuseAllreduce(),  # one flat buffer and one collective per bucket of gradients
         OverlapAllreduce(),  # wait for a bucket just before its first consumer (sync_nccl_allreduce=False)
+        # (sharding and pipeline split go here)
+        *([FuseOptimizerOps()] if _enabled(config, FuseOptimizerOps) else []),  # one multi-tensor update per group
         DeadCodeElimination(),  # results nobody reads (e.g. saved stats of unused outputs)
     ]
 
 
+def _enabled(config: Any, pass_type: type) -> bool:
+    return _lookup(config, pass_type.reads[0]) is True
+
+
+def fusion_flags() -> list[str]:
+    """The build_strategy fields that switch the named fusion passes on, in pipeline order."""
+    return [p.reads[0].removeprefix("build_strategy.") for p in (*_FUSIONS, FuseOptimizerOps)]
+
+
 def all_pass_names() -> list[str]:
     """Every pass name the pipeline can contain (for --disable-pass validation)."""
-    return [RemoveNoopViews.name, AutoMixedPrecision.name, Recompute.name, AutoFusion.name, GradientMerge.name,
-            SyncBatchNorm.name, InsertAllreduce.name, FuseAllreduce.name, OverlapAllreduce.name,
-            DeadCodeElimination.name]
+    return [RemoveNoopViews.name, AutoMixedPrecision.name, SyncBatchNorm.name, Recompute.name,
+            *(f.name for f in _FUSIONS), AutoFusion.name, GradientMerge.name, InsertAllreduce.name,
+            FuseAllreduce.name, OverlapAllreduce.name, FuseOptimizerOps.name, DeadCodeElimination.name]
 
 
 # Strategy switches whose rewrite is not built yet: (dotted field, what would implement it).
@@ -55,12 +82,6 @@ _PENDING = (
     ("lamb", "the LAMB optimizer lowering"),
     ("localsgd", "LocalSGD"),
     ("adaptive_localsgd", "adaptive LocalSGD"),
-    ("build_strategy.fuse_elewise_add_act_ops", "the elementwise add+activation fusion pass"),
-    ("build_strategy.fuse_bn_act_ops", "the batch-norm+activation fusion pass"),
-    ("build_strategy.fuse_bn_add_act_ops", "the batch-norm+add+activation fusion pass"),
-    ("build_strategy.fuse_gemm_epilogue", "the gemm-epilogue fusion pass"),
-    ("build_strategy.fuse_dropout_add", "the dropout+add fusion pass"),
-    ("build_strategy.fuse_all_optimizer_ops", "the fused optimizer pass"),
     ("build_strategy.fuse_relu_depthwise_conv", "a relu+depthwise-conv fusion pass"),
     ("build_strategy.fuse_broadcast_ops", "a broadcast fusion pass (data parallel only)"),
     ("build_strategy.enable_inplace", "in-place memory reuse"),

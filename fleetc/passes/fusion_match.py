@@ -1,0 +1,165 @@
+"""Shared machinery of the named fusion passes: who reads what, and swapping a matched group for one fused op.
+
+A fusion pass finds forward groups in program order (the earliest op claims it, so overlapping
+matches resolve the same way every time), replaces each by one fused op, then derives the backward
+group from the forward one — the backward ops whose `forward_op` is a member — so forward and
+backward always fuse the same branch. A forward group whose backward cannot be fused is reported.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from fleetc.ir.liveness import block_reads
+from fleetc.ir.program import Block, Op, OpRole, Program, VarKind
+from fleetc.passes.base import PassReport
+from fleetc.passes.dce import drop_unused_temporaries
+
+
+class BlockIndex:
+    """Definers, readers and positions of one block's ops, rebuilt after every rewrite."""
+
+    def __init__(self, program: Program, block: Block):
+        self.program, self.block = program, block
+        self.position = {op.name: i for i, op in enumerate(block.ops)}
+        self.readers: dict[str, list[Op]] = {}
+        self.definer: dict[str, Op] = {}
+        for op in block.ops:
+            for name in block_reads(program, op):
+                self.readers.setdefault(name, []).append(op)
+            for name in op.defined:
+                self.definer.setdefault(name, op)
+        self.fetched = set(program.fetches.values())
+
+    def next_in_chain(self, name: str) -> Op | None:
+        """The one non-backward op reading a temporary, when every other reader is a backward op (which then
+        reads the value from the fused op's extra output) and no fetch needs it; else None."""
+        if name in self.fetched or self.program.var(name, self.block.idx).kind is not VarKind.TEMP:
+            return None
+        forward = [op for op in self.readers.get(name, []) if OpRole.BACKWARD not in op.role]
+        return forward[0] if len(forward) == 1 else None
+
+    def read_outside(self, name: str, group: list[Op]) -> bool:
+        members = {op.name for op in group}
+        return name in self.fetched or any(r.name not in members for r in self.readers.get(name, []))
+
+    def backward_of(self, forward_name: str) -> list[Op]:
+        """The live ops differentiating `forward_name` (dead ones, e.g. an unused input grad, are DCE's job)."""
+        return [op for op in self.block.ops if op.attrs.get("forward_op") == forward_name
+                and any(n in self.fetched or self.readers.get(n) or self.program.var(n, self.block.idx).persistable
+                        for n in op.defined)]
+
+
+@dataclass
+class Fusion:
+    """A matched group and the op replacing it; `rename` maps removed values onto equal surviving ones."""
+
+    group: list[Op]
+    fused: Op
+    rename: dict[str, str] = field(default_factory=dict)
+
+
+def kept(index: BlockIndex, group: list[Op], name: str | None) -> str | None:
+    """`name` when a value computed inside the group is read after it, else None (the fused op drops it)."""
+    return name if name is not None and index.read_outside(name, group) else None
+
+
+def _anchor(index: BlockIndex, fusion: Fusion) -> int | None:
+    """Where the fused op can stand: at the group's first op if its inputs exist by then, else at its last."""
+    positions = sorted(index.position[op.name] for op in fusion.group)
+    members = {op.name for op in fusion.group}
+    # persistables and feeds hold a value all step long; only temporaries have a position to respect
+    inputs = [n for n in fusion.fused.inputs if index.program.var(n, index.block.idx).kind is VarKind.TEMP
+              and index.definer.get(n) is not None and index.definer[n].name not in members]
+    if all(index.position[index.definer[n].name] < positions[0] for n in inputs):
+        return positions[0]
+    outputs = [n for n in fusion.fused.defined]
+    if all(index.position[r.name] > positions[-1] for n in outputs for r in index.readers.get(n, [])
+           if r.name not in members):
+        return positions[-1]
+    return None
+
+
+def leaked_values(index: BlockIndex, fusion: Fusion) -> list[str]:
+    """Values the group computes that are read after it but that the fused op neither returns nor renames."""
+    provided = set(fusion.fused.defined) | set(fusion.rename)
+    return [n for op in fusion.group for n in op.defined if n not in provided and index.read_outside(n, fusion.group)]
+
+
+def apply_fusion(index: BlockIndex, fusion: Fusion, pass_name: str) -> str | None:
+    """Swap the group for the fused op; or say why not (Program untouched)."""
+    leaked = leaked_values(index, fusion)
+    if leaked:
+        return f"values {leaked} computed inside the group are read outside it"
+    at = _anchor(index, fusion)
+    if at is None:
+        return "no position keeps every input defined before use"
+    program, block = index.program, index.block
+    first = fusion.group[0]
+    fused = fusion.fused
+    fused.name = program.unique_name(fused.name)
+    role = OpRole(0)
+    for op in fusion.group:
+        role |= op.role
+    fused.attrs = {"op_role": int(role), "module_path": first.module_path, "provenance": pass_name,
+                   "fused_from": [op.name for op in fusion.group],
+                   **{k: first.attrs[k] for k in ("forward_op", "op_device", "source") if k in first.attrs}}
+    members = {op.name for op in fusion.group}
+    ops = []
+    for i, op in enumerate(block.ops):
+        if i == at:
+            ops.append(fused)
+        if op.name not in members:
+            op.rename_inputs(fusion.rename)
+            ops.append(op)
+    block.ops = ops
+    program.repoint_forward_ops(dict.fromkeys(members, fused.name))
+    return None
+
+
+Matcher = Callable[[BlockIndex, Op], "Fusion | None"]
+BackwardMatcher = Callable[[BlockIndex, Op, list], "Fusion | str"]
+
+
+def fuse_forward_and_backward(program: Program, report: PassReport, pass_name: str, match_forward: Matcher,
+                              match_backward: BackwardMatcher | None) -> None:
+    """Fuse every forward group `match_forward` finds in the global block, then each one's backward group.
+
+    `match_backward(index, fused_forward_op, backward_ops)` returns the backward Fusion, or a reason
+    (str) why this group's backward cannot be fused; it is only called when backward ops exist.
+    """
+    block = program.global_block
+    fused_forward: list[Op] = []
+    index = BlockIndex(program, block)
+    i = 0
+    while i < len(block.ops):
+        fusion = match_forward(index, block.ops[i])
+        if fusion is not None and apply_fusion(index, fusion, pass_name) is None:
+            fused_forward.append(fusion.fused)
+            report.count("forward_groups")
+            report.count("ops_removed", len(fusion.group) - 1)
+            index = BlockIndex(program, block)
+            continue  # position i now holds the fused op or the op that moved up into it
+        i += 1
+    for fwd in fused_forward:
+        index = BlockIndex(program, block)
+        backward = index.backward_of(fwd.name)
+        if not backward or match_backward is None:
+            continue
+        result = match_backward(index, fwd, backward)
+        why = result if isinstance(result, str) else apply_fusion(index, result, pass_name)
+        if why is not None:
+            report.count("backward_not_fused")
+            report.notes.append(f"{fwd.name} ({fwd.module_path or 'top level'}): forward fused, backward not: {why}")
+            continue
+        report.count("backward_groups")
+        report.count("ops_removed", len(result.group) - 1)
+    if fused_forward:
+        drop_unused_temporaries(program)
+        report.changed = True
+
+
+def no_match_reason(report: PassReport, pattern: str) -> None:
+    """Fill the report's skipped_reason when the pass's flag was on but nothing was fused."""
+    if not report.changed:
+        report.skipped_reason = f"flag on, but the Program has no {pattern} left to fuse"

@@ -1,0 +1,87 @@
+"""Gemm epilogue fusion: counts on the zoo (2-D and leading batch dims), references, unfusable backward reported."""
+from __future__ import annotations
+
+import pytest
+import torch
+from fusion_helpers import assert_close_all, fusion_strategy, op_types, stats
+
+import fleetc
+from conftest import run_side_by_side
+from fleetc.ir.program import Op, OpRole, Ref, Var
+from fleetc.ir.verifier import verify
+from fleetc.ops.fused_gemm import fused_gemm_epilogue, fused_gemm_epilogue_grad
+from fleetc.passes.fusion_gemm import FuseGemmEpilogue
+
+aten = torch.ops.aten
+
+
+def test_mlp_each_linear_becomes_one_forward_and_one_backward_op():
+    run = run_side_by_side("mlp", "adamw", strategy=fusion_strategy("fuse_gemm_epilogue"))
+    run.assert_same()
+    assert stats(run.trainer, "fuse_gemm_epilogue") == {"forward_groups": 3, "backward_groups": 3,
+                                                        "ops_removed": 17}
+    types = op_types(run.trainer.program)
+    assert types.count("fleetc.fused_gemm_epilogue") == 3 and types.count("fleetc.fused_gemm_epilogue_grad") == 3
+    assert not {"aten.addmm.default", "aten.mm.default", "aten.relu.default", "aten.threshold_backward.default",
+                "aten.sum.dim_IntList"} & set(types)
+    x = torch.randn(5, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(run.trainer(x), run.eager_model(x), rtol=1e-6, atol=1e-6)
+    assert op_types(run.trainer.eval_program).count("fleetc.fused_gemm_epilogue") == 3
+
+
+def test_gpt_linears_with_leading_batch_dims_fuse_through_the_reshape():
+    run = run_side_by_side("gpt", "sgd", steps=2, strategy=fusion_strategy("fuse_gemm_epilogue"))
+    run.assert_same()
+    # forward: addmm + view (+ gelu in the MLPs); backward: 6 ops + view (+ gelu grad) → one op each: 10 + 50
+    assert stats(run.trainer, "fuse_gemm_epilogue") == {"forward_groups": 8, "backward_groups": 8,
+                                                        "ops_removed": 60}
+    fc = [op for op in run.trainer.program.global_block.ops
+          if op.type == "fleetc.fused_gemm_epilogue" and op.module_path == "layers.0.fc"]
+    assert len(fc) == 1 and fc[0].args[3] == [4, 16, 128] and fc[0].args[4] == "gelu"
+
+
+def test_new_style_fused_passes_gemm_epilogue_runs_the_same_pass():
+    strategy = fleetc.Strategy({"fused_passes": {"enable": True, "gemm_epilogue": True}})
+    run = run_side_by_side("mlp", "sgd", steps=1, strategy=strategy)
+    assert stats(run.trainer, "fuse_gemm_epilogue")["forward_groups"] == 3
+
+
+@pytest.mark.parametrize("act, param", [(None, None), ("relu", None), ("gelu", "none"), ("gelu", "tanh")])
+@pytest.mark.parametrize("out_shape", [None, [2, 3, 5]])
+def test_gemm_references_match_the_unfused_aten_sequence(act, param, out_shape):
+    g = torch.Generator().manual_seed(0)
+    x, w, bias = torch.randn(6, 4, generator=g), torch.randn(5, 4, generator=g), torch.randn(5, generator=g)
+    h = aten.addmm(bias, x, aten.t(w))
+    h = aten.view(h, out_shape) if out_shape else h
+    out = {None: h, "relu": aten.relu(h), "gelu": aten.gelu(h, approximate=param or "none")}[act]
+    assert_close_all(fused_gemm_epilogue(x, aten.t(w), bias, out_shape, act, param), (out, h), rtol=0, atol=0)
+
+    dout = torch.randn(out.shape, generator=g)
+    saved = {None: None, "relu": out, "gelu": h}[act]
+    ga = {None: dout, "relu": aten.threshold_backward(dout, out, 0) if act == "relu" else None,
+          "gelu": aten.gelu_backward(dout, h, approximate=param or "none") if act == "gelu" else None}[act]
+    g2 = aten.view(ga, [6, 5])
+    expected = (aten.mm(g2, aten.t(aten.t(w))), aten.mm(aten.t(g2), x), aten.view(aten.sum(g2, [0], True), [5]))
+    got = fused_gemm_epilogue_grad(dout, saved, x, aten.t(w), act, param, [True, True, True])
+    assert_close_all(got, expected, rtol=0, atol=0)
+    assert_close_all(fused_gemm_epilogue_grad(dout, saved, x, aten.t(w), act, param, [False, True, False]),
+                     (None, expected[1], None), rtol=0, atol=0)
+
+
+def test_forward_fused_but_backward_not_is_reported():
+    """A value inside the backward group read elsewhere (here: fetched) keeps that backward unfused."""
+    run = run_side_by_side("mlp", "sgd", steps=1)
+    program = run.trainer.history["remove_noop_views"].program.clone()
+    block = program.global_block
+    act_grad = next(op for op in block.ops if op.type == "aten.threshold_backward.default")
+    at = block.ops.index(act_grad) + 1
+    block.add_var(Var("peek", program.var(act_grad.outputs[0]).shape, "float32"))
+    block.ops.insert(at, Op("peek", "aten.clone.default", (Ref(act_grad.outputs[0]),), outputs=["peek"],
+                            attrs={"op_role": int(OpRole.BACKWARD)}))
+    program.fetches["peek"] = "peek"
+    fused, report = FuseGemmEpilogue().run(program, run.trainer.config)
+    verify(fused)
+    assert report.stats["forward_groups"] == 3
+    assert report.stats["backward_groups"] == 2 and report.stats["backward_not_fused"] == 1
+    assert any("forward fused, backward not" in note and "read outside" in note for note in report.notes)
