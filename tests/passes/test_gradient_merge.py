@@ -111,7 +111,7 @@ def test_zoo_matches_eager_gradient_accumulation(zoo_name, avg, optimizer_name):
     losses = run_merged(trainer, zoo_name, micro_steps)
     torch.testing.assert_close(torch.stack(losses), torch.stack(eager_losses), rtol=1e-5, atol=1e-6)
     assert_same_state(model.state_dict(), eager_model.state_dict())
-    assert trainer.report().applied[:2] == ["remove_noop_views", "gradient_merge"]
+    assert "gradient_merge" in trainer.report().applied
 
 
 def test_new_style_strategy_and_sum_without_avg():
