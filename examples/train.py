@@ -22,7 +22,9 @@ def main() -> None:
     model = Net()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     strategy = fleetc.DistributedStrategy()
-    strategy.execution_strategy.num_threads = 1
+    strategy.build_strategy.fuse_bn_act_ops = True  # batch norm + relu → one op (and its backward)
+    strategy.build_strategy.fuse_gemm_epilogue = True  # linear + bias → one op (dX, dW, dBias together)
+    strategy.build_strategy.fuse_all_optimizer_ops = True  # one multi-tensor AdamW update
     train = fleetc.compile(model, strategy, optimizer=optimizer, loss_fn=F.cross_entropy)
 
     x, y = torch.randn(64, 32), torch.randint(0, 10, (64,))
