@@ -1,6 +1,7 @@
 """Liveness over a block and a static estimate of peak live bytes (aliasing views share storage)."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from fleetc.ir.program import Block, Op, Program, VarKind
@@ -19,12 +20,13 @@ def block_reads(program: Program, op: Op) -> list[str]:
     return list(dict.fromkeys(reads))
 
 
-def aliased_input(op: Op, output_index: int) -> str | None:
-    """For a view op (`aten.t`, `aten.view`, …) the input Var whose storage output `output_index` shares."""
-    if not op.type.startswith("aten."):
+@functools.lru_cache(maxsize=None)
+def _view_argument(op_type: str, output_index: int) -> int | None:
+    """Position of the argument whose storage output `output_index` of an aten op type shares (schema lookup)."""
+    if not op_type.startswith("aten."):
         return None
     try:
-        schema = resolve_callable(op.type)._schema
+        schema = resolve_callable(op_type)._schema
     except (KeyError, AttributeError):
         return None
     if output_index >= len(schema.returns):
@@ -32,11 +34,19 @@ def aliased_input(op: Op, output_index: int) -> str | None:
     alias = schema.returns[output_index].alias_info
     if alias is None or alias.is_write:
         return None
-    for arg_schema, value in zip(schema.arguments, op.args):
+    for position, arg_schema in enumerate(schema.arguments):
         info = arg_schema.alias_info
         if info is not None and not info.is_write and set(info.before_set) & set(alias.before_set):
-            return getattr(value, "name", None)
+            return position
     return None
+
+
+def aliased_input(op: Op, output_index: int) -> str | None:
+    """For a view op (`aten.t`, `aten.view`, …) the input Var whose storage output `output_index` shares."""
+    position = _view_argument(op.type, output_index)
+    if position is None or position >= len(op.args):
+        return None
+    return getattr(op.args[position], "name", None)
 
 
 def last_use_index(program: Program, block: Block, keep: set[str]) -> dict[str, int]:
