@@ -5,8 +5,9 @@ white op casts its float inputs to low precision, a black op to float32, and a g
 precision only when all its float inputs already are (Paddle's promote rule). Every value is cast
 to a given dtype at most once and the cast reused. fleetc ops (optimizer updates, buffer assigns)
 and fetched values get back the dtype capture gave them, so gradients reach the optimizer in
-float32 and parameters stay float32 (master weights). Then dynamic loss scaling is added
-(fleetc/passes/loss_scaling.py).
+float32 and parameters stay float32 (master weights). With `use_pure_fp16` the parameters themselves
+become low precision and the updates go through float32 master copies (fleetc/passes/master_weights.py).
+Then dynamic loss scaling is added (fleetc/passes/loss_scaling.py).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from fleetc.ops.registry import resolve_callable
 from fleetc.passes.amp_lists import AmpLists
 from fleetc.passes.base import PassReport
 from fleetc.passes.loss_scaling import insert_loss_scaling
+from fleetc.passes.master_weights import keep_master_weights
 
 FLOAT32 = "float32"
 _CAST_TYPE = "aten._to_copy.default"
@@ -39,13 +41,17 @@ def low_precision_dtype(requested: str | None, device: str) -> str:
 class _CastRewriter:
     """One sweep over the global block, rebuilding its op list with casts and updated output dtypes."""
 
-    def __init__(self, program: Program, lists: AmpLists, low: str, black_vars: set[str], report: PassReport):
+    def __init__(self, program: Program, lists: AmpLists, low: str, black_vars: set[str], report: PassReport,
+                 low_params: set[str]):
         self.program = program
         self.block = program.global_block
         self.lists = lists
         self.low = low
         self.black_vars = black_vars
         self.report = report
+        self.captured = {name: var.dtype for name, var in self.block.vars.items()}
+        for name in low_params:  # use_pure_fp16: the parameters themselves are low precision from now on
+            program.var(name).dtype = low
         self.original = {name: var.dtype for name, var in self.block.vars.items()}
         self.casts: dict[tuple[str, str], str] = {}
         self.ops: list[Op] = []
@@ -168,7 +174,7 @@ class _CastRewriter:
             op.rename_inputs({n: self.restore_dtype(n, op) for n in op.inputs if self.castable(n)})
             self.ops.append(op)
             return
-        changed = any(self.program.var(n).dtype != self.original.get(n) for n in op.inputs)
+        changed = any(self.program.var(n).dtype != self.captured.get(n) for n in op.inputs)
         target, casts, args, kwargs, results = self.plan(op)
         if casts or changed or kwargs != op.kwargs or args != op.args:
             if kwargs.get("dtype") is torch.float32 and op.kwargs.get("dtype") is None:
@@ -215,8 +221,11 @@ class AutoMixedPrecision:
         missing = sorted(n for n in black_vars if program.find_var(n) is None)
         if missing:
             report.notes.append(f"amp_configs.custom_black_varnames: no Var named {missing} in this Program")
-        _CastRewriter(program, lists, low, black_vars, report).run()
+        low_params = {v.name for v in params if v.dtype == FLOAT32 and v.name not in black_vars} \
+            if cfg.use_pure_fp16 else set()
+        _CastRewriter(program, lists, low, black_vars, report, low_params).run()
         report.notes.append(f"low precision: {low}")
+        keep_master_weights(program, low_params, report)
         insert_loss_scaling(program, cfg, report)
         report.changed = bool(report.stats)
         if not report.changed:

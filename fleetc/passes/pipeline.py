@@ -74,8 +74,6 @@ def all_pass_names() -> list[str]:
 
 # Strategy switches whose rewrite is not built yet: (dotted field, what would implement it).
 _PENDING = (
-    ("amp_configs.use_pure_fp16", "low-precision parameters with float32 master copies (amp keeps float32 "
-                                  "parameters and casts them per use)"),
     ("recompute_configs.enable_offload", "offloading checkpoints to host memory (recompute keeps them on the device)"),
     ("pipeline", "pipeline partitioning"),
     ("sharding", "the sharding pass"),

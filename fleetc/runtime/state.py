@@ -6,6 +6,7 @@ from torch import nn
 
 from fleetc.errors import CheckpointError
 from fleetc.ir.program import FLEETC_OWNED_KINDS, Program, Var, VarKind
+from fleetc.passes.master_weights import MASTER_KEY
 
 
 class StateBinding:
@@ -27,6 +28,7 @@ class StateBinding:
         self.fixed: dict[str, torch.Tensor] = {}
         self.optimizer_state: list[tuple[str, torch.Tensor, str, torch.Size, torch.dtype]] = []
         bindings = program.metadata.get("state_bindings", {})
+        self._convert_params(program, named)
         for var in program.persistables():
             if var.kind in (VarKind.PARAM, VarKind.BUFFER):
                 self.fixed[var.name] = named[var.name]
@@ -37,6 +39,17 @@ class StateBinding:
                 counters[var.name] = _owned_tensor(var, counters.get(var.name))
         self.counter_names = [v.name for v in program.persistables() if v.kind in FLEETC_OWNED_KINDS]
 
+    def _convert_params(self, program: Program, named: dict[str, torch.Tensor]) -> None:
+        """amp use_pure_fp16 declares parameters in low precision: convert the module's own parameters in place
+        (like Paddle's `decorate`), after seeding the optimizer's float32 `master_weight` from them."""
+        for var in program.persistables():
+            param = named.get(var.name)
+            if var.kind is not VarKind.PARAM or param.dtype == var.torch_dtype:
+                continue
+            if self.optimizer is not None:
+                self.optimizer.state[param].setdefault(MASTER_KEY, param.detach().float().clone())
+            param.data = param.data.to(var.torch_dtype)
+
     def resolve(self) -> dict[str, torch.Tensor]:
         state = dict(self.fixed)
         if self.optimizer_state:
@@ -46,6 +59,11 @@ class StateBinding:
                 tensor = slot.get(key)
                 if tensor is None:
                     tensor = slot[key] = torch.zeros(shape, dtype=dtype, device=param.device)
+                elif tensor.dtype != dtype:
+                    raise CheckpointError(
+                        f"optimizer state {key!r} of {var_name.partition('@')[0]!r} is {tensor.dtype}, the Program "
+                        f"declares {dtype}: under amp use_pure_fp16 call optimizer.load_state_dict before the first "
+                        "step (torch casts loaded state to the parameter's dtype, now low precision)")
                 state[var_name] = tensor
         for name in self.counter_names:
             state[name] = self.counters[name]

@@ -288,12 +288,11 @@ def test_bad_custom_lists_are_clear_errors(configs, match):
         trainer.step(*entry.make_batch(torch.Generator().manual_seed(1))[0])
 
 
-def test_float16_on_request_and_pure_fp16_reported_as_not_applied():
-    trainer, entry = amp_trainer(dtype="float16", use_pure_fp16=True)
+def test_float16_on_request():
+    trainer, entry = amp_trainer(dtype="float16")
     trainer.step(*entry.make_batch(torch.Generator().manual_seed(1))[0])
     program = trainer.program
     assert all(float_dtypes(program, op) == {"float16"} for _, op in program.walk_ops() if op.type in MATMULS)
-    assert "not applied" in trainer.report().skipped["amp_configs.use_pure_fp16"]
 
 
 def test_evaluation_under_amp_returns_float32_outputs():

@@ -1,0 +1,46 @@
+"""use_pure_fp16: low-precision parameters updated through float32 master copies kept in the optimizer's state.
+
+Each optimizer update of a low-precision parameter is redirected to a float32 Var `<param>@master_weight`,
+bound like any optimizer state to `optimizer.state[param]["master_weight"]` (so `optimizer.state_dict()`
+carries it), and followed by an assign that rounds the updated master into the parameter. The runtime
+(fleetc/runtime/state.py) seeds the master from the float32 parameter before converting the module.
+"""
+from __future__ import annotations
+
+from fleetc.ir.program import Op, OpRole, Program, Ref, Var, VarKind
+from fleetc.passes.base import PassReport
+
+MASTER_KEY = "master_weight"
+
+
+def _updated_param(op: Op) -> str | None:
+    """The parameter an optimizer update op (first argument, updated in place) writes, if `op` is one."""
+    if OpRole.OPTIMIZE in op.role and op.type.startswith("fleetc.") and op.args and isinstance(op.args[0], Ref):
+        return op.args[0].name
+    return None
+
+
+def keep_master_weights(program: Program, low_params: set[str], report: PassReport) -> None:
+    """Point every update of a parameter in `low_params` at its float32 master and round the result back."""
+    block = program.global_block
+    bindings = program.metadata.setdefault("state_bindings", {})
+    ops: list[Op] = []
+    for op in block.ops:
+        ops.append(op)
+        param = _updated_param(op)
+        if param not in low_params:
+            continue
+        source = program.var(param)
+        master = f"{param}@{MASTER_KEY}"
+        block.add_var(Var(master, source.shape, "float32", source.device, VarKind.OPTIMIZER_STATE))
+        bindings[master] = [param, MASTER_KEY]
+        op.rename_inputs({param: master})
+        op.outputs = [master if name == param else name for name in op.outputs]
+        attrs = {k: op.attrs[k] for k in ("op_role", "module_path") if k in op.attrs}
+        ops.append(Op(program.unique_name(f"{param}.round_master"), "fleetc.assign", (Ref(param), Ref(master)),
+                      outputs=[param], attrs={**attrs, "provenance": "amp"}))
+        report.count("master_weights")
+    block.ops = ops
+    if low_params:
+        report.notes.append(f"use_pure_fp16: {len(low_params)} parameters in {program.var(min(low_params)).dtype}, "
+                            f"{report.stats.get('master_weights', 0)} float32 master weights in the optimizer state")
