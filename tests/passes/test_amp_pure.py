@@ -12,8 +12,6 @@ from conftest import run_side_by_side
 from fleetc.ir.program import VarKind
 from zoo import OPTIMIZERS, ZOO
 
-MATMULS = ("aten.mm.default", "aten.addmm.default", "aten.convolution.default")
-
 
 def pure_strategy(**configs) -> fleetc.DistributedStrategy:
     strategy = fleetc.DistributedStrategy()
@@ -61,7 +59,7 @@ def test_params_are_bf16_during_the_step_and_masters_are_fp32_optimizer_state(op
     params = [v for v in program.persistables() if v.kind is VarKind.PARAM]
     assert params and all(v.dtype == "bfloat16" for v in params)
     assert all(p.dtype == torch.bfloat16 for p in trainer.model.parameters())
-    assert all(b.dtype == torch.float32 for n, b in trainer.model.named_buffers() if b.is_floating_point())
+    assert all(b.dtype == torch.float32 for b in trainer.model.buffers() if b.is_floating_point())
     masters = {v.name: v for v in program.persistables() if v.name.endswith("@master_weight")}
     assert len(masters) == len(params) and all(v.kind is VarKind.OPTIMIZER_STATE and v.dtype == "float32"
                                                for v in masters.values())
