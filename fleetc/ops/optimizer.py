@@ -9,6 +9,9 @@ import torch
 
 from fleetc.ops.registry import register_op
 
+# optimizer.state key of the float32 master copy of a low-precision parameter (amp use_pure_fp16).
+MASTER_KEY = "master_weight"
+
 
 @register_op("sgd", "SGD step with optional weight decay, momentum, dampening and nesterov")
 def sgd(

@@ -8,9 +8,8 @@ carries it), and followed by an assign that rounds the updated master into the p
 from __future__ import annotations
 
 from fleetc.ir.program import Op, OpRole, Program, Ref, Var, VarKind
+from fleetc.ops.optimizer import MASTER_KEY
 from fleetc.passes.base import PassReport
-
-MASTER_KEY = "master_weight"
 
 
 def _updated_param(op: Op) -> str | None:

@@ -6,7 +6,7 @@ from torch import nn
 
 from fleetc.errors import CheckpointError
 from fleetc.ir.program import FLEETC_OWNED_KINDS, Program, Var, VarKind
-from fleetc.passes.master_weights import MASTER_KEY
+from fleetc.ops.optimizer import MASTER_KEY
 
 
 class StateBinding:

@@ -10,22 +10,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import fleetc
 from conftest import run_side_by_side
 from fleetc.ir.program import VarKind
+from test_amp import amp_strategy, amp_trainer
 from zoo import OPTIMIZERS, ZOO
 
 
 def pure_strategy(**configs) -> fleetc.DistributedStrategy:
-    strategy = fleetc.DistributedStrategy()
-    strategy.amp = True
-    strategy.amp_configs = {"use_pure_fp16": True, **configs}
-    return strategy
+    return amp_strategy(use_pure_fp16=True, **configs)
 
 
 def pure_trainer(zoo_name: str = "mlp", optimizer: str = "adam", **configs):
-    entry = ZOO[zoo_name]
-    torch.manual_seed(0)
-    model = entry.make_model()
-    opt = OPTIMIZERS[optimizer](model.parameters())
-    return fleetc.compile(model, pure_strategy(**configs), optimizer=opt, loss_fn=entry.loss_fn, verify=True), entry
+    return amp_trainer(zoo_name, optimizer, use_pure_fp16=True, **configs)
 
 
 def poisoned(args: tuple) -> tuple:
