@@ -69,11 +69,9 @@ def reference(*inputs: torch.Tensor, steps: tuple, results: tuple) -> Any:
     return compile_reference(steps, results, len(inputs))(*inputs)
 
 
-@register_op("fused_elementwise", "a chain of pointwise aten ops with an optional trailing reduction, one kernel")
+@register_op("fused_elementwise", "a chain of pointwise aten ops with an optional trailing reduction, one kernel",
+             kernels={"cuda": "fleetc.codegen.triton.launch:run_fused_elementwise"},
+             kernel_sources="fleetc.codegen.triton:fused_elementwise_sources")
 def fused_elementwise(*inputs: torch.Tensor, steps: tuple, results: tuple, name: str) -> Any:
-    """CUDA tensors run the generated Triton kernel; every other device runs `reference` (the aten steps in order)."""
-    if inputs[0].is_cuda:
-        from fleetc.codegen.triton.launch import run_fused_elementwise
-
-        return run_fused_elementwise(inputs, steps=steps, results=results, name=name)
+    """The reference path (CPU): the aten steps in order; CUDA tensors run the generated Triton kernel instead."""
     return compile_reference(steps, results, len(inputs))(*inputs)  # = reference(), one call layer less

@@ -1,8 +1,9 @@
-"""Registry of fleetc's own op types: one reference implementation each, plus how to resolve aten ops."""
+"""Registry of fleetc's own op types: one reference implementation each, device kernels, and how to resolve aten ops."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
@@ -14,24 +15,31 @@ class OpDef:
     `reference` is the op's one semantics (written with aten ops): the CPU path and the oracle of
     every generated kernel. It updates persistable outputs in place and returns only the
     temporary outputs, in order (a single tensor, a tuple, or None when there are none).
+    `kernels` maps a device type ("cuda") to the "module:function" that runs the op there with the
+    reference's signature; `kernel_sources` names the "module:function" that lists the generated
+    sources of one op, `(op, input Vars) -> [KernelSource]`, for `dump-ir --kernels`. Both are
+    imported on first use, so `import fleetc` never imports triton.
     """
 
     name: str
     reference: Callable
     summary: str
+    kernels: dict[str, str] = field(default_factory=dict)
+    kernel_sources: str | None = None
 
 
 _REGISTRY: dict[str, OpDef] = {}
 
 
-def register_op(name: str, summary: str) -> Callable[[Callable], Callable]:
-    """Decorator: register `fn` as the reference semantics of op type `fleetc.<name>`."""
+def register_op(name: str, summary: str, *, kernels: dict[str, str] | None = None,
+                kernel_sources: str | None = None) -> Callable[[Callable], Callable]:
+    """Decorator: register `fn` as the reference semantics of op type `fleetc.<name>` (plus its device kernels)."""
 
     def wrap(fn: Callable) -> Callable:
         full = f"fleetc.{name}"
         if full in _REGISTRY:
             raise ValueError(f"op type {full!r} is registered twice")
-        _REGISTRY[full] = OpDef(full, fn, summary)
+        _REGISTRY[full] = OpDef(full, fn, summary, dict(kernels or {}), kernel_sources)
         return fn
 
     return wrap
@@ -47,10 +55,40 @@ def registered_ops() -> dict[str, OpDef]:
     return dict(_REGISTRY)
 
 
+def import_target(target: str) -> Any:
+    """The object a "package.module:attribute" string names."""
+    module, _, attribute = target.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+def device_kernel(op_type: str, device_type: str) -> Callable | None:
+    """The function running a fleetc op on tensors of `device_type`, or None when only the reference exists."""
+    target = op_def(op_type).kernels.get(device_type)
+    return import_target(target) if target else None
+
+
+def _dispatching(definition: OpDef) -> Callable:
+    """Runs the op's device kernel when its first argument lives on a device that has one, else the reference."""
+    reference, kernels, loaded = definition.reference, definition.kernels, {}
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        device_type = args[0].device.type
+        if device_type not in kernels:
+            return reference(*args, **kwargs)
+        if device_type not in loaded:
+            loaded[device_type] = import_target(kernels[device_type])
+        return loaded[device_type](*args, **kwargs)
+
+    run.__name__ = run.__qualname__ = definition.name.replace(".", "_")
+    run.__doc__ = reference.__doc__
+    return run
+
+
 def resolve_callable(op_type: str) -> Callable:
-    """The function that runs an op type: a torch OpOverload (`aten.mm.default`) or a fleetc reference."""
+    """The function that runs an op type: a torch OpOverload (`aten.mm.default`) or a fleetc op (kernel or reference)."""
     if op_type.startswith("fleetc."):
-        return op_def(op_type).reference
+        definition = op_def(op_type)
+        return _dispatching(definition) if definition.kernels else definition.reference
     namespace, _, rest = op_type.partition(".")
     packet_name, _, overload = rest.rpartition(".")
     try:

@@ -22,7 +22,8 @@ from fleetc.codegen.triton import format_kernels, lowering, program_kernels
 from fleetc.codegen.triton.kernel import generate_kernel
 from fleetc.codegen.triton.launch import cache_dir, launch_spec, load_kernel, run_fused_elementwise
 from fleetc.ir.program import OpRole
-from fleetc.ops.fused_elementwise import fused_elementwise, operand, reference
+from fleetc.ops.fused_elementwise import operand, reference
+from fleetc.ops.registry import resolve_callable
 from zoo import ZOO
 
 FUSED = "fleetc.fused_elementwise"
@@ -68,7 +69,7 @@ def as_tuple(value):
 def check_kernel(inputs: tuple, steps: tuple, results: tuple, name: str, tolerance: dict | None = None) -> None:
     """Kernel output = reference output: fp32 inputs exactly as the reference sees them; low precision against
     the fp32 reference rounded once (the kernel computes in fp32 and rounds on store)."""
-    got = as_tuple(run_fused_elementwise(inputs, steps=steps, results=results, name=name))
+    got = as_tuple(run_fused_elementwise(*inputs, steps=steps, results=results, name=name))
     upcast = tuple(t.float() if t.is_floating_point() else t for t in inputs)
     want = as_tuple(reference(*upcast, steps=steps, results=results))
     assert len(got) == len(want)
@@ -170,7 +171,7 @@ def test_every_lowering_matches_its_aten_op(interpret):
 
 def test_kernel_sources_are_cached_on_disk_by_hash(interpret):
     steps = (_step("aten.add.Tensor", operand(0), operand(1)), _step("aten.relu.default", operand(2)))
-    run_fused_elementwise((torch.randn(8), torch.randn(8)), steps=steps, results=(3,), name="fused_add_relu_0")
+    run_fused_elementwise(torch.randn(8), torch.randn(8), steps=steps, results=(3,), name="fused_add_relu_0")
     files = sorted(cache_dir().glob("fused_add_relu_0_*.py"))
     assert len(files) == 1
     kernel = generate_kernel("fused_add_relu_0", steps, (3,), ("float32", "float32"), 1)
@@ -182,7 +183,7 @@ def test_kernel_sources_are_cached_on_disk_by_hash(interpret):
 def test_cpu_tensors_take_the_reference_path(interpret):
     steps = (_step("aten.add.Tensor", operand(0), operand(1)), _step("aten.relu.default", operand(2)))
     a, b = torch.randn(4), torch.randn(4)
-    out = fused_elementwise(a, b, steps=steps, results=(3,), name="fused_add_relu_0")
+    out = resolve_callable(FUSED)(a, b, steps=steps, results=(3,), name="fused_add_relu_0")
     assert torch.equal(out, torch.relu(a + b))
     assert not cache_dir().exists()  # no kernel was generated for CPU tensors
 
@@ -248,7 +249,7 @@ def test_training_on_cuda_runs_the_triton_kernels(zoo_name, monkeypatch, tmp_pat
     g = torch.Generator().manual_seed(0)
     for op, input_specs in zoo_fused_ops(zoo_name):
         inputs = tuple(make_input(shape, dtype, torch.float32, False, g).cuda() for shape, dtype in input_specs)
-        got = as_tuple(fused_elementwise(*inputs, steps=op.kwargs["steps"], results=op.kwargs["results"],
+        got = as_tuple(resolve_callable(FUSED)(*inputs, steps=op.kwargs["steps"], results=op.kwargs["results"],
                                          name=op.kwargs["name"]))
         want = as_tuple(reference(*(t.cpu() for t in inputs), steps=op.kwargs["steps"],
                                   results=op.kwargs["results"]))

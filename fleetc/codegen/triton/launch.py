@@ -153,7 +153,7 @@ def build_launcher(name: str, steps: tuple, results: tuple, inputs: tuple[torch.
 _LAUNCHERS: dict[tuple, Callable] = {}
 
 
-def run_fused_elementwise(inputs: tuple[torch.Tensor, ...], *, steps: tuple, results: tuple, name: str) -> Any:
+def run_fused_elementwise(*inputs: torch.Tensor, steps: tuple, results: tuple, name: str) -> Any:
     """Run a fused op's Triton kernel on `inputs` (CUDA tensors, or any tensors under TRITON_INTERPRET=1)."""
     key = (name, steps, results, interpreting(),
            *((tuple(t.shape), t.stride(), t.dtype, t.device) for t in inputs))
