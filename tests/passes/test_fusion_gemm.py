@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from fusion_helpers import assert_close_all, fusion_strategy, op_types, stats
+from torch import nn
+from zoo import ZOO, ZooEntry
 
 import fleetc
 from conftest import run_side_by_side
@@ -85,3 +88,65 @@ def test_forward_fused_but_backward_not_is_reported():
     assert report.stats["forward_groups"] == 3
     assert report.stats["backward_groups"] == 2 and report.stats["backward_not_fused"] == 1
     assert any("forward fused, backward not" in note and "read outside" in note for note in report.notes)
+
+
+class ExplicitBiasMLP(nn.Module):
+    """Linears written out as `x @ w.t() + b` (mm + add.Tensor, not addmm): batched with relu, bias first, 2-D gelu."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1, self.b1 = nn.Parameter(torch.randn(12, 8) * 0.3), nn.Parameter(torch.randn(12) * 0.1)
+        self.w2, self.b2 = nn.Parameter(torch.randn(10, 12) * 0.3), nn.Parameter(torch.randn(10) * 0.1)
+        self.w3, self.b3 = nn.Parameter(torch.randn(4, 10) * 0.3), nn.Parameter(torch.randn(4) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(x @ self.w1.t() + self.b1)  # x: [2, 3, 8] → matmul reshapes to 2-D and back
+        h = self.b2 + h @ self.w2.t()
+        return F.gelu(h.flatten(0, 1) @ self.w3.t() + self.b3)
+
+
+class UntransposedWeight(nn.Module):
+    """`x @ w + b` with w stored [in, out]: dW = t(x) @ g has the other layout than the fused grad's."""
+
+    def __init__(self):
+        super().__init__()
+        self.w, self.b = nn.Parameter(torch.randn(8, 6) * 0.3), nn.Parameter(torch.randn(6) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x.flatten(0, 1) @ self.w + self.b)
+
+
+def _mse_batch(g: torch.Generator) -> tuple[tuple, dict]:
+    return (torch.randn(2, 3, 8, generator=g), torch.randn(6, 4, generator=g)), {}
+
+
+@pytest.fixture
+def explicit_bias_zoo(monkeypatch):
+    monkeypatch.setitem(ZOO, "explicit_bias", ZooEntry("explicit_bias", ExplicitBiasMLP, _mse_batch, F.mse_loss))
+    monkeypatch.setitem(ZOO, "untransposed", ZooEntry("untransposed", UntransposedWeight,
+                                                      lambda g: ((_mse_batch(g)[0][0], torch.randn(6, 6, generator=g)),
+                                                                 {}), F.mse_loss))
+
+
+def test_mm_plus_explicit_bias_fuses_forward_and_backward(explicit_bias_zoo):
+    run = run_side_by_side("explicit_bias", "adam", strategy=fusion_strategy("fuse_gemm_epilogue"))
+    run.assert_same()
+    # forward: mm [+ _unsafe_view] + add [+ act], 4 + 3 + 3 ops → 3; backward: [act grad,] sum + view (dBias),
+    # [2-D view,] t + mm (dW), t + mm (dX, not for the first layer), 7 + 7 + 6 ops → 3: 7 + 17 removed
+    assert stats(run.trainer, "fuse_gemm_epilogue") == {"forward_groups": 3, "backward_groups": 3,
+                                                        "ops_removed": 24}
+    types = op_types(run.trainer.program)
+    assert not {"aten.mm.default", "aten.add.Tensor", "aten.sum.dim_IntList", "aten.relu.default",
+                "aten.gelu_backward.default"} & set(types)
+    fused = {op.args[2].name: op.args[3:5] for op in run.trainer.program.global_block.ops
+             if op.type == "fleetc.fused_gemm_epilogue"}
+    assert fused == {"b1": ([2, 3, 12], "relu"), "b2": ([2, 3, 10], None), "b3": (None, "gelu")}
+
+
+def test_mm_plus_bias_whose_backward_cannot_fuse_is_reported(explicit_bias_zoo):
+    run = run_side_by_side("untransposed", "sgd", steps=2, strategy=fusion_strategy("fuse_gemm_epilogue"))
+    run.assert_same()
+    assert stats(run.trainer, "fuse_gemm_epilogue") == {"forward_groups": 1, "backward_not_fused": 1,
+                                                        "ops_removed": 2}
+    [note] = run.trainer.report().notes["fuse_gemm_epilogue"]
+    assert "forward fused, backward not: unrecognised backward ops" in note and "aten.mm.default" in note
