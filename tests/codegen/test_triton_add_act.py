@@ -9,7 +9,8 @@ from torch import nn
 
 from fleetc.cli import main
 from fleetc.codegen.triton import add_act, program_kernels
-from fleetc.codegen.triton.launch import cache_dir
+from fleetc.codegen.triton.launch import cache_dir, kernel_for
+from fleetc.ir.program import Op, Ref, Var
 from fleetc.ops import fused_add_act
 from fleetc.ops.registry import resolve_callable
 
@@ -64,6 +65,20 @@ def test_kernel_names_say_what_they_fuse():
     assert [k.name for k in add_act.forward_launches((4, 8), (8,), True, "silu", None)] == \
         ["fused_silu_add", "fused_silu_add_inter"]
     assert add_act.grad_launch(True, "leaky_relu", 0.2).name == "fused_add_leaky_relu_grad"
+
+
+@pytest.mark.parametrize("act_first", [False, True])
+def test_dump_ir_lists_the_sources_the_runtime_generates(act_first):
+    x, y = torch.randn(4, 6), torch.randn(6, dtype=torch.bfloat16)
+    op = Op("fused_elemwise_add_act", "fleetc.fused_elemwise_add_act", (Ref("x"), Ref("y"), act_first, "silu", None),
+            outputs=["out", "inter"])
+    listed = add_act.add_act_sources(op, [Var("x", [4, 6], "float32"), Var("y", [6], "bfloat16"), None, None, None])
+    launched = [kernel_for(k.name, k.steps, k.results, tuple((x, y)[i] for i in k.inputs))
+                for k in add_act.forward_launches((4, 6), (6,), act_first, "silu", None)]
+    assert listed == launched and len(listed) == 1 + act_first
+    grad = Op("g", "fleetc.fused_elemwise_add_act_grad", (Ref("d"), None, "scale", 0.5), outputs=["dx"])
+    [source] = add_act.add_act_grad_sources(grad, [Var("d", [4, 6], "float32"), None, None, None])
+    assert source == kernel_for("fused_add_scale_grad", add_act.grad_launch(False, "scale", 0.5).steps, (1,), (x,))
 
 
 def test_cpu_tensors_take_the_reference_path(interpret):

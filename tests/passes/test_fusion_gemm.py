@@ -116,16 +116,18 @@ class UntransposedWeight(nn.Module):
         return torch.tanh(x.flatten(0, 1) @ self.w + self.b)
 
 
-def _mse_batch(g: torch.Generator) -> tuple[tuple, dict]:
-    return (torch.randn(2, 3, 8, generator=g), torch.randn(6, 4, generator=g)), {}
+def _batch_of(target_columns: int):
+    def make_batch(g: torch.Generator) -> tuple[tuple, dict]:
+        return (torch.randn(2, 3, 8, generator=g), torch.randn(6, target_columns, generator=g)), {}
+
+    return make_batch
 
 
 @pytest.fixture
 def explicit_bias_zoo(monkeypatch):
-    monkeypatch.setitem(ZOO, "explicit_bias", ZooEntry("explicit_bias", ExplicitBiasMLP, _mse_batch, F.mse_loss))
-    monkeypatch.setitem(ZOO, "untransposed", ZooEntry("untransposed", UntransposedWeight,
-                                                      lambda g: ((_mse_batch(g)[0][0], torch.randn(6, 6, generator=g)),
-                                                                 {}), F.mse_loss))
+    """Both models as zoo entries for the test's duration, so run_side_by_side trains them against eager."""
+    monkeypatch.setitem(ZOO, "explicit_bias", ZooEntry("explicit_bias", ExplicitBiasMLP, _batch_of(4), F.mse_loss))
+    monkeypatch.setitem(ZOO, "untransposed", ZooEntry("untransposed", UntransposedWeight, _batch_of(6), F.mse_loss))
 
 
 def test_mm_plus_explicit_bias_fuses_forward_and_backward(explicit_bias_zoo):
