@@ -16,7 +16,7 @@ _VIEW = "aten.view.default"
 def _match_forward(index: BlockIndex, op: Op) -> Fusion | None:
     if op.type != _ADDMM or op.kwargs or len(op.args) != 3 or not all(isinstance(a, Ref) for a in op.args):
         return None
-    if len(index.program.var(op.args[0].name).shape or ()) != 1:
+    if len(index.var(op.args[0].name).shape or ()) != 1:
         return None  # only a per-column bias is an epilogue
     group, out, out_shape = [op], op.outputs[0], None
     reader = index.next_in_chain(out)
