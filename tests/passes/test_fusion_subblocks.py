@@ -16,6 +16,8 @@ from fleetc.ir.verifier import verify
 from fleetc.passes.auto_fusion import FUSED_OP_TYPE, AutoFusion
 from fleetc.passes.fusion_elementwise import FuseElementwiseAddAct
 from fleetc.passes.fusion_optimizer import FuseOptimizerOps
+from fleetc.passes.recompute_plan import forward_region
+from fleetc.passes.recompute_policy import RecomputePolicy
 from fleetc.runtime.pycodegen import generate_step
 from zoo import OPTIMIZERS, ZOO
 
@@ -312,3 +314,28 @@ def test_updates_an_op_between_them_feeds_are_left_unfused_and_reported():
     assert report.stats == {"groups_not_fused": 1}
     assert report.notes == ["block 1: 2 fleetc.sgd ops not fused: p_into_q_grad (fleetc.assign) uses 'q@GRAD' "
                             "after the update of 'p' and before that of 'q'"]
+
+
+def test_the_verifier_sees_what_a_conditional_blocks_updates_read():
+    program = _updates_program("independent")
+    program.global_block.ops.append(Op("late_grad", "fleetc.accumulate", (Ref("p@GRAD"), Ref("p@GRAD")),
+                                       outputs=["p@GRAD"], attrs={"op_role": int(OpRole.BACKWARD)}))
+    with pytest.raises(fleetc.VerificationError, match="optimize op reads 'p@GRAD' before its last backward writer"):
+        verify(program)
+
+
+def test_recompute_sees_forward_values_a_sub_block_reads_after_forward():
+    """A forward value read only inside a conditional block after forward is live there (saved or recomputed)."""
+    program = _updates_program("independent")
+    g = program.global_block
+    g.add_var(Var("h", (3,), "float32"))
+    g.add_var(Var("x", (3,), "float32", kind=VarKind.DATA))
+    g.ops.insert(0, Op("relu_h", "aten.relu.default", (Ref("x"),), outputs=["h"],
+                       attrs={"op_role": int(OpRole.FORWARD)}))
+    g.ops.insert(1, Op("grad_p", "fleetc.accumulate", (Ref("p@GRAD"), Ref("x")), outputs=["p@GRAD"],
+                       attrs={"op_role": int(OpRole.BACKWARD)}))
+    program.blocks[1].ops[1] = Op("h_into_copy", "fleetc.assign", (Ref("copy"), Ref("h")), outputs=["copy"],
+                                  attrs={"op_role": int(OpRole.OPTIMIZE)})
+    program.feeds.append("x")
+    verify(program)
+    assert forward_region(program, RecomputePolicy()).read_after == {"h"}
