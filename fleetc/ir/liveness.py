@@ -20,6 +20,15 @@ def block_reads(program: Program, op: Op) -> list[str]:
     return list(dict.fromkeys(reads))
 
 
+def block_writes(program: Program, op: Op) -> list[str]:
+    """Vars an op writes, including everything its sub-block (recursively) writes."""
+    writes = list(op.defined)
+    if op.sub_block is not None:
+        for inner in program.blocks[op.sub_block].ops:
+            writes += block_writes(program, inner)
+    return list(dict.fromkeys(writes))
+
+
 @functools.lru_cache(maxsize=None)
 def _view_argument(op_type: str, output_index: int) -> int | None:
     """Position of the argument whose storage output `output_index` of an aten op type shares (schema lookup)."""

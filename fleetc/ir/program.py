@@ -235,6 +235,13 @@ class Program:
                 else:
                     op.attrs["forward_op"] = replacements[target]
 
+    def rename_reads(self, op: Op, mapping: dict[str, str]) -> None:
+        """Point `op`'s Refs, and those of every op in its sub-block (recursively), at other Vars."""
+        op.rename_inputs(mapping)
+        if op.sub_block is not None:
+            for inner in self.blocks[op.sub_block].ops:
+                self.rename_reads(inner, mapping)
+
     def clone(self) -> "Program":
         return copy.deepcopy(self)
 

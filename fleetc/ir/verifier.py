@@ -15,6 +15,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fleetc.errors import VerificationError
+from fleetc.ir.liveness import block_reads
 from fleetc.ir.printer import format_op
 from fleetc.ir.program import CONDITIONAL_BLOCK, FED_KINDS, Block, Op, OpRole, Program, Ref, VarKind, map_refs
 from fleetc.ops.registry import resolve_callable
@@ -137,7 +138,7 @@ def _verify_block(program: Program, block: Block, defined: set[str], definer: di
                 raise _fail(program, block, i, f"aten op writes the persistable {name!r}; use fleetc.assign",
                             after_pass)
         if OpRole.OPTIMIZE in op.role:
-            for name in op.inputs:
+            for name in block_reads(program, op):  # a conditional_block reads what its sub-block reads
                 if last_backward_writer.get(name, -1) > i:
                     raise _fail(program, block, i, f"optimize op reads {name!r} before its last backward writer",
                                 after_pass)

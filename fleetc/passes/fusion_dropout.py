@@ -19,7 +19,7 @@ def _match_forward(index: BlockIndex, op: Op) -> Fusion | None:
     if add is None or add.type != "aten.add.Tensor" or add.kwargs or add.args.count(dropped) != 1:
         return None
     residual = next(a for a in add.args if a != dropped)
-    if not isinstance(residual, Ref) or index.program.var(residual.name).shape != index.program.var(dropped.name).shape:
+    if not isinstance(residual, Ref) or index.var(residual.name).shape != index.var(dropped.name).shape:
         return None
     x, p, train = op.args
     fused = Op("fused_dropout_add", "fleetc.fused_dropout_add", (x, residual, p, train),

@@ -37,11 +37,11 @@ def _bias_add(index: BlockIndex, mm: Op, out: str) -> tuple[Op, Ref] | None:
     if not _plain(add, _ADD, 2) or add.args.count(Ref(out)) != 1:
         return None
     bias = next(a for a in add.args if a != Ref(out))
-    mm_var, bias_var = index.program.var(mm.outputs[0]), index.program.var(bias.name)
+    mm_var, bias_var = index.var(mm.outputs[0]), index.var(bias.name)
     columns = list(mm_var.shape or ())[-1:]
     if list(bias_var.shape or ()) != columns or bias_var.dtype != mm_var.dtype:
         return None  # anything else is not the per-column bias addmm adds (or would change the result dtype)
-    if list(index.program.var(out).shape or ())[-1:] != columns:
+    if list(index.var(out).shape or ())[-1:] != columns:
         return None  # a reshape that moved the columns: the bias no longer lines up with them
     return add, bias
 
@@ -49,7 +49,7 @@ def _bias_add(index: BlockIndex, mm: Op, out: str) -> tuple[Op, Ref] | None:
 def _gemm_with_bias(index: BlockIndex, op: Op) -> tuple[list[Op], str, list | None, tuple] | None:
     """(group, its output, reshape target, (bias, x, w_t)) for `addmm [+ view]` or `mm [+ view] + bias`."""
     if _plain(op, _ADDMM, 3):
-        if len(index.program.var(op.args[0].name).shape or ()) != 1:
+        if len(index.var(op.args[0].name).shape or ()) != 1:
             return None  # only a per-column bias is an epilogue
         group = [op]
         out, out_shape = _follow_view(index, group, op.outputs[0])

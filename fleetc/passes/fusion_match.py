@@ -1,6 +1,8 @@
 """Shared machinery of the named fusion passes: who reads what, and swapping a matched group for one fused op.
 
-A fusion pass finds forward groups in program order (the earliest op claims it, so overlapping
+Every block is fused on its own, block by block in program order: a group never spans a block boundary,
+and an op owning a sub-block reads (for the analysis here) everything its sub-block reads.
+Within a block, a fusion pass finds forward groups in program order (the earliest op claims it, so overlapping
 matches resolve the same way every time), replaces each by one fused op, then derives the backward
 group from the forward one — the backward ops whose `forward_op` is a member — so forward and
 backward always fuse the same branch. A forward group whose backward cannot be fused is reported.
@@ -11,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from fleetc.ir.liveness import block_reads
-from fleetc.ir.program import Block, Op, OpRole, Program, VarKind
+from fleetc.ir.program import Block, Op, OpRole, Program, Var, VarKind
 from fleetc.passes.base import PassReport
 from fleetc.passes.dce import drop_unused_temporaries
 
@@ -31,10 +33,14 @@ class BlockIndex:
                 self.definer.setdefault(name, op)
         self.fetched = set(program.fetches.values())
 
+    def var(self, name: str) -> Var:
+        """The Var `name` as this block sees it (its own, or an ancestor block's)."""
+        return self.program.var(name, self.block.idx)
+
     def next_in_chain(self, name: str) -> Op | None:
         """The one non-backward op reading a temporary, when every other reader is a backward op (which then
         reads the value from the fused op's extra output) and no fetch needs it; else None."""
-        if name in self.fetched or self.program.var(name, self.block.idx).kind is not VarKind.TEMP:
+        if name in self.fetched or self.var(name).kind is not VarKind.TEMP:
             return None
         forward = [op for op in self.readers.get(name, []) if OpRole.BACKWARD not in op.role]
         return forward[0] if len(forward) == 1 else None
@@ -46,7 +52,7 @@ class BlockIndex:
     def backward_of(self, forward_name: str) -> list[Op]:
         """The live ops differentiating `forward_name` (dead ones, e.g. an unused input grad, are DCE's job)."""
         return [op for op in self.block.ops if op.attrs.get("forward_op") == forward_name
-                and any(n in self.fetched or self.readers.get(n) or self.program.var(n, self.block.idx).persistable
+                and any(n in self.fetched or self.readers.get(n) or self.var(n).persistable
                         for n in op.defined)]
 
 
@@ -69,7 +75,7 @@ def _anchor(index: BlockIndex, fusion: Fusion) -> int | None:
     positions = sorted(index.position[op.name] for op in fusion.group)
     members = {op.name for op in fusion.group}
     # persistables and feeds hold a value all step long; only temporaries have a position to respect
-    inputs = [n for n in fusion.fused.inputs if index.program.var(n, index.block.idx).kind is VarKind.TEMP
+    inputs = [n for n in fusion.fused.inputs if index.var(n).kind is VarKind.TEMP
               and index.definer.get(n) is not None and index.definer[n].name not in members]
     if all(index.position[index.definer[n].name] < positions[0] for n in inputs):
         return positions[0]
@@ -110,7 +116,7 @@ def apply_fusion(index: BlockIndex, fusion: Fusion, pass_name: str) -> str | Non
         if i == at:
             ops.append(fused)
         if op.name not in members:
-            op.rename_inputs(fusion.rename)
+            program.rename_reads(op, fusion.rename)
             ops.append(op)
     block.ops = ops
     program.repoint_forward_ops(dict.fromkeys(members, fused.name))
@@ -123,12 +129,23 @@ BackwardMatcher = Callable[[BlockIndex, Op, list], "Fusion | str"]
 
 def fuse_forward_and_backward(program: Program, report: PassReport, pass_name: str, match_forward: Matcher,
                               match_backward: BackwardMatcher | None) -> None:
-    """Fuse every forward group `match_forward` finds in the global block, then each one's backward group.
+    """Fuse every forward group `match_forward` finds, then each one's backward group, one block at a time.
 
     `match_backward(index, fused_forward_op, backward_ops)` returns the backward Fusion, or a reason
     (str) why this group's backward cannot be fused; it is only called when backward ops exist.
     """
-    block = program.global_block
+    for block in program.blocks:
+        groups = _fuse_block(program, block, report, pass_name, match_forward, match_backward)
+        if groups and block.idx != 0:
+            report.notes.append(f"block {block.idx}: {groups} forward group(s) fused inside the sub-block")
+        report.changed |= groups > 0
+    if report.changed:
+        drop_unused_temporaries(program)
+
+
+def _fuse_block(program: Program, block: Block, report: PassReport, pass_name: str, match_forward: Matcher,
+                match_backward: BackwardMatcher | None) -> int:
+    """Fuse one block's forward groups and their backward groups in that block; returns the forward groups fused."""
     fused_forward: list[Op] = []
     index = BlockIndex(program, block)
     i = 0
@@ -144,19 +161,22 @@ def fuse_forward_and_backward(program: Program, report: PassReport, pass_name: s
     for fwd in fused_forward:
         index = BlockIndex(program, block)
         backward = index.backward_of(fwd.name)
-        if not backward or match_backward is None:
+        elsewhere = sorted({b.idx for b, op in program.walk_ops() if b is not block
+                            and op.attrs.get("forward_op") == fwd.name})
+        if (not backward and not elsewhere) or match_backward is None:
             continue
-        result = match_backward(index, fwd, backward)
-        why = result if isinstance(result, str) else apply_fusion(index, result, pass_name)
+        if elsewhere:  # a group never spans blocks
+            why = f"backward ops in block(s) {elsewhere}, forward in block {block.idx}"
+        else:
+            result = match_backward(index, fwd, backward)
+            why = result if isinstance(result, str) else apply_fusion(index, result, pass_name)
         if why is not None:
             report.count("backward_not_fused")
             report.notes.append(f"{fwd.name} ({fwd.module_path or 'top level'}): forward fused, backward not: {why}")
             continue
         report.count("backward_groups")
         report.count("ops_removed", len(result.group) - 1)
-    if fused_forward:
-        drop_unused_temporaries(program)
-        report.changed = True
+    return len(fused_forward)
 
 
 def no_match_reason(report: PassReport, pattern: str) -> None:

@@ -50,7 +50,7 @@ def _residual_add(index: BlockIndex, name: str) -> tuple[Op, Ref] | None:
     other = b if a == Ref(name) else a if b == Ref(name) else None
     if not isinstance(other, Ref) or other == Ref(name):
         return None
-    if index.program.var(other.name).shape != index.program.var(name).shape:
+    if index.var(other.name).shape != index.var(name).shape:
         return None  # a broadcast residual is not a ResNet shortcut
     return add, other
 

@@ -88,7 +88,7 @@ def _latched_feeds(program: Program, block: Block, update: set[int]) -> list[str
     """
     groups = program.metadata.get("optimizer", {}).get("groups", ())
     flags = [g["momentum_fresh"] for g in groups if g.get("momentum_fresh")]
-    return [f for f in flags if any(f in block.ops[i].inputs for i in update)]
+    return [f for f in flags if any(f in block_reads(program, block.ops[i]) for i in update)]
 
 
 class _Builder:
@@ -179,7 +179,7 @@ class GradientMerge:
                              OpRole.OPTIMIZE, definer[name].module_path) for name, acc in accumulator.items()]
         for i in sorted(update):
             op = block.ops[i]
-            op.rename_inputs({**accumulator, **latch})
+            program.rename_reads(op, {**accumulator, **latch})  # AMP's skip-on-overflow block reads them too
             for name in op.defined:
                 if block.vars.get(name) is not None and block.vars[name].kind is VarKind.TEMP:
                     sub.add_var(block.vars.pop(name))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fleetc.ir.liveness import block_reads
 from fleetc.ir.program import Block, Op, OpRole, Program, VarKind
 from fleetc.passes.recompute_policy import DROPOUT, Choice, RecomputePolicy
 
@@ -70,7 +71,7 @@ def forward_region(program: Program, policy: RecomputePolicy) -> ForwardRegion:
     written = frozenset(n for op in block.ops if OpRole.OPTIMIZE not in op.role for n in op.defined
                         if program.var(n).kind is not VarKind.TEMP)
     producer = {n: op for op in ops for n in op.defined if program.var(n).kind is VarKind.TEMP}
-    read_after = {n for op in block.ops[first_backward:] for n in op.inputs if n in producer}
+    read_after = {n for op in block.ops[first_backward:] for n in block_reads(program, op) if n in producer}
     read_after |= {n for n in program.fetches.values() if n in producer}
     choices = {op.name: policy.choose(program, block, op, written) for op in ops}
     index = {op.name: i for i, op in enumerate(ops)}
