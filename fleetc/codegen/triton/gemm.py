@@ -32,13 +32,8 @@ from fleetc.ops.activations import ACTIVATIONS
 OUTPUT_TILE_MAX = 64  # rows and columns of a program's output tile
 DEPTH_TILE_MAX = 32  # elements of the summed dimension loaded per loop iteration
 
-_HELPERS = '''import triton
+_HEADER = '''import triton
 import triton.language as tl
-
-
-@triton.jit
-def _add(a, b):
-    return a + b
 
 
 @triton.jit
@@ -47,6 +42,13 @@ def _dot(a, b, DOT_IN_FP32: tl.constexpr, PRECISION: tl.constexpr):
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     return tl.dot(a, b, input_precision=PRECISION)
+
+
+'''
+# Combines dBias's column sums (jitted in the kernel's own module: see lowering.py for why not tl.sum).
+_ADD = '''@triton.jit
+def _add(a, b):
+    return a + b
 
 
 '''
@@ -84,8 +86,8 @@ def _base_name(act: str | None, param: Any) -> str:
     return name + "_tanh" if act == "gelu" and param == "tanh" else name
 
 
-def _source(name: str, params: list[str], body: list[str]) -> KernelSource:
-    source = _HELPERS + "@triton.jit\n" + f"def {name}({', '.join(params)}):\n"
+def _source(name: str, params: list[str], body: list[str], sums: bool = False) -> KernelSource:
+    source = _HEADER + (_ADD if sums else "") + "@triton.jit\n" + f"def {name}({', '.join(params)}):\n"
     source += "".join(f"    {line}\n" for line in body)
     return KernelSource(name, source, rank=2, reduce_dims=None)  # rank/reduce_dims: elementwise launches only
 
@@ -122,22 +124,29 @@ def forward_kernel(act: str | None, param: Any) -> KernelSource:
     return _source(_base_name(act, param), params + _TILE_PARAMS, body)
 
 
+def _reads_saved(act: str | None) -> bool:
+    """Whether the activation's grad reads a saved forward value (`h` or `out`)."""
+    return act is not None and ACTIVATIONS[act].saves is not None
+
+
 def _grad_inputs(act: str | None) -> list[str]:
-    return ["dout", "saved"] if act and ACTIVATIONS[act].saves else ["dout"]
+    return ["dout", "saved"] if _reads_saved(act) else ["dout"]
 
 
 def _grad_strides(act: str | None) -> list[str]:
-    return ["DOUT_S0", "DOUT_S1"] + (["SAVED_S0", "SAVED_S1"] if len(_grad_inputs(act)) == 2 else [])
+    return ["DOUT_S0", "DOUT_S1"] + (["SAVED_S0", "SAVED_S1"] if _reads_saved(act) else [])
 
 
-def _load_g(act: str | None, param: Any, rows: str, cols: str, mask: str) -> list[str]:
-    """Lines loading a tile of `g` = act grad of `dout` (zero outside `mask`, so it adds nothing to sums)."""
-    lines = [f"g = tl.load(dout + {rows} * DOUT_S0 + {cols} * DOUT_S1, mask={mask}, other=0.0).to(tl.float32)"]
-    if len(_grad_inputs(act)) == 2:
-        lines.append(f"s = tl.load(saved + {rows} * SAVED_S0 + {cols} * SAVED_S1, mask={mask}, other=0.0)"
+def _load_g(act: str | None, param: Any, rows: str, cols: str) -> list[str]:
+    """Lines loading the [rows × cols] tile of `g` = act grad of `dout` (zero outside the matrix, so it adds
+    nothing to dots or sums)."""
+    lines = [f"g_mask = ({rows} < M) & ({cols} < N)",
+             f"g = tl.load(dout + {rows} * DOUT_S0 + {cols} * DOUT_S1, mask=g_mask, other=0.0).to(tl.float32)"]
+    if _reads_saved(act):
+        lines.append(f"s = tl.load(saved + {rows} * SAVED_S0 + {cols} * SAVED_S1, mask=g_mask, other=0.0)"
                      ".to(tl.float32)")
     if act:
-        lines.append(f"g = tl.where({mask}, {activation_grad_expr(act, param, 'g', 's')}, 0.0)")
+        lines.append(f"g = tl.where(g_mask, {activation_grad_expr(act, param, 'g', 's')}, 0.0)")
     return lines
 
 
@@ -150,8 +159,7 @@ def grad_dx_kernel(act: str | None, param: Any) -> KernelSource:
             "acc = tl.full([BLOCK_M, BLOCK_K], 0.0, tl.float32)",
             "for start in range(0, N, BLOCK_N):",
             "    ns = start + tl.arange(0, BLOCK_N)",
-            *("    " + line for line in _load_g(act, param, "rows[:, None]", "ns[None, :]",
-                                              "(rows[:, None] < M) & (ns[None, :] < N)")),
+            *("    " + line for line in _load_g(act, param, "rows[:, None]", "ns[None, :]")),
             "    w = tl.load(w_t + ks[None, :] * W_S0 + ns[:, None] * W_S1, "
             "mask=(ks[None, :] < K) & (ns[:, None] < N), other=0.0)",
             "    acc += _dot(g.to(w_t.dtype.element_ty), w, DOT_IN_FP32, PRECISION)",
@@ -164,7 +172,8 @@ def grad_dx_kernel(act: str | None, param: Any) -> KernelSource:
 def grad_dw_dbias_kernel(act: str | None, param: Any, need_dw: bool, need_db: bool) -> KernelSource:
     """dW[N,K] = g.T @ x and/or dBias[N] = column sums of g, from one pass over the tiles of `g`."""
     outputs = (["dw"] if need_dw else []) + (["db"] if need_db else [])
-    params = [*_grad_inputs(act), "x", *outputs, *_constexprs("M", "N", "K", *_grad_strides(act), "X_S0", "X_S1")]
+    params = [*_grad_inputs(act), *(["x"] if need_dw else []), *outputs,
+              *_constexprs("M", "N", "K", *_grad_strides(act), "X_S0", "X_S1")]
     body = ["ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)"]
     if need_dw:
         body += ["ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)",
@@ -173,8 +182,7 @@ def grad_dw_dbias_kernel(act: str | None, param: Any, need_dw: bool, need_db: bo
         body.append("col_sums = tl.full([BLOCK_N], 0.0, tl.float32)")
     body += ["for start in range(0, M, BLOCK_M):",
              "    ms = start + tl.arange(0, BLOCK_M)",
-             *("    " + line for line in _load_g(act, param, "ms[:, None]", "ns[None, :]",
-                                              "(ms[:, None] < M) & (ns[None, :] < N)"))]
+             *("    " + line for line in _load_g(act, param, "ms[:, None]", "ns[None, :]"))]
     if need_dw:
         body += ["    xs = tl.load(x + ms[:, None] * X_S0 + ks[None, :] * X_S1, "
                  "mask=(ms[:, None] < M) & (ks[None, :] < K), other=0.0)",
@@ -188,11 +196,17 @@ def grad_dw_dbias_kernel(act: str | None, param: Any, need_dw: bool, need_db: bo
         body += ["if tl.program_id(1) == 0:  # every K block summed the same g; the first stores it",
                  "    tl.store(db + ns, col_sums.to(db.dtype.element_ty), mask=ns < N)"]
     suffix = "_grad_" + "_".join((["dw"] if need_dw else []) + (["dbias"] if need_db else []))
-    return _source(_base_name(act, param) + suffix, params + _TILE_PARAMS, body)
+    return _source(_base_name(act, param) + suffix, params + _TILE_PARAMS, body, sums=need_db)
 
 
-def _tile(size: int, cap: int) -> int:
-    return min(cap, max(16, _next_pow2(size)))  # tl.dot needs every tile side >= 16
+def block_sizes(rows: tuple[str, int], cols: tuple[str, int], depth: tuple[str, int]) -> dict[str, int]:
+    """The tile heuristic: (dim name, extent) of a program's output rows and columns and of the summed dim;
+    powers of two covering small extents, capped for large ones, and at least 16 (tl.dot's smallest tile)."""
+    def tile(extent: int, cap: int) -> int:
+        return min(cap, max(16, _next_pow2(extent)))
+
+    return {f"BLOCK_{rows[0]}": tile(rows[1], OUTPUT_TILE_MAX), f"BLOCK_{cols[0]}": tile(cols[1], OUTPUT_TILE_MAX),
+            f"BLOCK_{depth[0]}": tile(depth[1], DEPTH_TILE_MAX)}
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -214,10 +228,11 @@ def _output_specs(produced: tuple) -> list[tuple[tuple[int, ...], torch.dtype]]:
 
 
 def forward_launcher(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor, out_shape: list | None,
-                      act: str | None, param: Any) -> Launcher:
+                     act: str | None, param: Any) -> Launcher:
+    """The forward kernel bound to operands like these (meta tensors will do); outputs as the reference's."""
     (m, k), n = x.shape, w_t.shape[1]
     out, h = fused_gemm.fused_gemm_epilogue(*_metas((x, w_t, bias)), out_shape, act, param)
-    sizes = {"BLOCK_M": _tile(m, OUTPUT_TILE_MAX), "BLOCK_N": _tile(n, OUTPUT_TILE_MAX), "BLOCK_K": _tile(k, DEPTH_TILE_MAX)}
+    sizes = block_sizes(("M", m), ("N", n), ("K", k))
     constexprs = {"M": m, "N": n, "K": k, "X_S0": x.stride(0), "X_S1": x.stride(1), "W_S0": w_t.stride(0),
                   "W_S1": w_t.stride(1), "BIAS_S0": bias.stride(0), **_dot_settings(), **sizes}
     grid = (_cdiv(m, sizes["BLOCK_M"]), _cdiv(n, sizes["BLOCK_N"]))
@@ -233,8 +248,9 @@ def _grad_strides_values(g_inputs: tuple[torch.Tensor, ...]) -> dict[str, int]:
 
 
 def grad_launchers(g_inputs: tuple[torch.Tensor, ...], x: torch.Tensor, w_t: torch.Tensor, act: str | None,
-                    param: Any, output_mask: tuple[bool, bool, bool]) -> tuple[Launcher | None, Launcher | None]:
-    """(dX launcher, dW/dBias launcher), None where `output_mask` needs neither output."""
+                   param: Any, output_mask: tuple[bool, bool, bool]) -> tuple[Launcher | None, Launcher | None]:
+    """(dX launcher, dW/dBias launcher), None where `output_mask` needs neither; `g_inputs` is `dout` (and the
+    saved tensor) as [M, N] matrices."""
     need_dx, need_dw, need_db = output_mask
     (m, k), n = x.shape, w_t.shape[1]
     dout, saved = g_inputs[0], g_inputs[1] if len(g_inputs) == 2 else None
@@ -242,14 +258,13 @@ def grad_launchers(g_inputs: tuple[torch.Tensor, ...], x: torch.Tensor, w_t: tor
     shared = {"M": m, "N": n, "K": k, **_grad_strides_values(g_inputs), **_dot_settings()}
     dx_launcher = dw_launcher = None
     if need_dx:
-        sizes = {"BLOCK_M": _tile(m, OUTPUT_TILE_MAX), "BLOCK_K": _tile(k, OUTPUT_TILE_MAX),
-                 "BLOCK_N": _tile(n, DEPTH_TILE_MAX)}
+        sizes = block_sizes(("M", m), ("K", k), ("N", n))
         dx_launcher = Launcher(load_kernel(grad_dx_kernel(act, param)),
                                (_cdiv(m, sizes["BLOCK_M"]), _cdiv(k, sizes["BLOCK_K"])),
-                               {**shared, "W_S0": w_t.stride(0), "W_S1": w_t.stride(1), **sizes}, _output_specs((dx,)))
+                               {**shared, "W_S0": w_t.stride(0), "W_S1": w_t.stride(1), **sizes},
+                               _output_specs((dx,)))
     if need_dw or need_db:
-        sizes = {"BLOCK_N": _tile(n, OUTPUT_TILE_MAX), "BLOCK_K": _tile(k, OUTPUT_TILE_MAX),
-                 "BLOCK_M": _tile(m, DEPTH_TILE_MAX)}
+        sizes = block_sizes(("N", n), ("K", k), ("M", m))
         k_blocks = _cdiv(k, sizes["BLOCK_K"]) if need_dw else 1  # dBias alone: one program per column block
         dw_launcher = Launcher(load_kernel(grad_dw_dbias_kernel(act, param, need_dw, need_db)),
                                (_cdiv(n, sizes["BLOCK_N"]), k_blocks),
@@ -290,11 +305,11 @@ def fused_gemm_epilogue_grad(dout: torch.Tensor, saved: torch.Tensor | None, x: 
         return None, None, None
     n = w_t.shape[1]
     # leading batch dims flatten into M; reshape copies only when they cannot be viewed as one
-    g_inputs = (dout.reshape(-1, n),) + ((saved.reshape(-1, n),) if len(_grad_inputs(act)) == 2 else ())
+    g_inputs = (dout.reshape(-1, n),) + ((saved.reshape(-1, n),) if _reads_saved(act) else ())
     dx_launcher, dw_launcher = _cached(("grad", act, param, mask, _signature(*g_inputs, x, w_t)),
                                        lambda: grad_launchers(g_inputs, x, w_t, act, param, mask))
     dx = dx_launcher(g_inputs + (w_t,)) if dx_launcher else None
-    dw_db = dw_launcher(g_inputs + (x,)) if dw_launcher else ()
+    dw_db = dw_launcher(g_inputs + ((x,) if mask[1] else ())) if dw_launcher else ()
     dw_db = dw_db if isinstance(dw_db, tuple) else (dw_db,)
     dw = dw_db[0] if mask[1] else None
     db = dw_db[-1] if mask[2] else None
