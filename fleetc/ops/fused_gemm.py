@@ -11,7 +11,9 @@ from fleetc.ops.registry import register_op
 aten = torch.ops.aten
 
 
-@register_op("fused_gemm_epilogue", "x @ w_t + bias, reshaped to the leading batch dims, then an activation")
+@register_op("fused_gemm_epilogue", "x @ w_t + bias, reshaped to the leading batch dims, then an activation",
+             kernels={"cuda": "fleetc.codegen.triton.gemm:fused_gemm_epilogue"},
+             kernel_sources="fleetc.codegen.triton.gemm:fused_gemm_epilogue_sources")
 def fused_gemm_epilogue(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor, out_shape: list | None,
                         act: str | None, param: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """aten: `h = addmm(bias, x, w_t); h = view(h, out_shape)` (when given); `out = <act>(h)` (when given).
@@ -24,7 +26,9 @@ def fused_gemm_epilogue(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor, 
     return (apply(act, h, param) if act else h), h
 
 
-@register_op("fused_gemm_epilogue_grad", "backward of fused_gemm_epilogue: dX, dW and dBias in one op")
+@register_op("fused_gemm_epilogue_grad", "backward of fused_gemm_epilogue: dX, dW and dBias in one op",
+             kernels={"cuda": "fleetc.codegen.triton.gemm:fused_gemm_epilogue_grad"},
+             kernel_sources="fleetc.codegen.triton.gemm:fused_gemm_epilogue_grad_sources")
 def fused_gemm_epilogue_grad(dout: torch.Tensor, saved: torch.Tensor | None, x: torch.Tensor, w_t: torch.Tensor,
                              act: str | None, param: Any, output_mask: list) -> tuple[torch.Tensor | None, ...]:
     """aten: `g = <act>_backward(dout, saved)` (when an act); `g = view(g, [-1, n])`; `dx = mm(g, t(w_t))`;
