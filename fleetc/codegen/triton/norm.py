@@ -31,8 +31,8 @@ from fleetc.codegen.triton.lowering import constant, lower
 from fleetc.ir.program import Op, Var
 from fleetc.ops.activations import ACTIVATIONS
 
-# Reduction heuristic: each (channel, chunk) program loops over blocks of STATS_MAX_BLOCK elements, at least
-# MIN_BLOCKS_PER_CHUNK of them, and a channel is split into at most MAX_SPLIT chunks (parallelism when C is small).
+# Reduction heuristic: each (channel, chunk) program loops over blocks of up to STATS_MAX_BLOCK elements, about
+# MIN_BLOCKS_PER_CHUNK of them (more once a channel has MAX_SPLIT chunks): many programs even when C is small.
 STATS_MAX_BLOCK = 512
 MIN_BLOCKS_PER_CHUNK = 4
 MAX_SPLIT = 256
@@ -269,7 +269,7 @@ def _layout(x: torch.Tensor) -> tuple[int, int, int]:
 def _reduction_split(per_channel: int) -> dict[str, int]:
     """Block, chunk and number of chunks for reducing `per_channel` elements of each channel."""
     block = min(STATS_MAX_BLOCK, max(16, 1 << max(0, (per_channel - 1).bit_length())))
-    split = max(1, min(MAX_SPLIT, per_channel // (block * MIN_BLOCKS_PER_CHUNK)))
+    split = min(MAX_SPLIT, -(-per_channel // (block * MIN_BLOCKS_PER_CHUNK)))
     chunk = -(-per_channel // (split * block)) * block
     split = -(-per_channel // chunk)  # every chunk holds at least one element
     return {"R": per_channel, "SPLIT": split, "CHUNK": chunk, "BLOCK": block}
