@@ -16,7 +16,7 @@ import triton.language  # noqa: F401  (imported before TRITON_INTERPRET is set, 
 import fleetc
 from conftest import run_side_by_side
 from fleetc.codegen.triton import format_kernels, norm, program_kernels
-from fleetc.codegen.triton.launch import cache_dir
+from fleetc.codegen.triton.launch import cache_dir, load_kernel
 from fleetc.ops import fused_norm
 from fleetc.ops.activations import ACTIVATIONS as ACTIVATION_TABLE
 from fleetc.ops.registry import resolve_callable
@@ -235,3 +235,48 @@ def test_cuda_launch_matches_the_reference(monkeypatch, tmp_path, dtype):
             want = fused_norm.fused_bn_act_grad(*[a.cpu() if isinstance(a, torch.Tensor) else a for a in args])
             assert_close_all([g.cpu() for g in got], want, **tol)
     assert list(tmp_path.glob("triton/fused_bn_add_relu_fwd_*.py"))
+
+
+def compile_for_sm90(kernel, args: dict, constexprs: dict) -> bytes:
+    """The kernel compiled by Triton for a CUDA target (no GPU needed): catches what the interpreter lets pass."""
+    from triton import compile as triton_compile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {**args, **dict.fromkeys(constexprs, "constexpr")}
+    return triton_compile(ASTSource(load_kernel(kernel), signature, constexprs),
+                          target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pointer", ["*fp32", "*bf16"])
+def test_kernels_compile_to_cubin_without_a_gpu(monkeypatch, tmp_path, pointer):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("FLEETC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "bin"))
+    f32 = "*fp32"
+    shape = dict(C=16, S=49)
+    split = dict(R=392, SPLIT=2, CHUNK=256)
+    stats, finalize, forward = norm.forward_kernels("gelu", "tanh", True, True)
+    compiled = [
+        compile_for_sm90(stats, dict(x=pointer, part_mean=f32, part_m2=f32), {**shape, **split, "BLOCK": 128}),
+        compile_for_sm90(finalize, dict(part_mean=f32, part_m2=f32, mean_out=f32, rstd_out=f32, running_mean=pointer,
+                                        running_var=pointer, momentum="fp32", eps="fp32"),
+                         {**split, "SPLIT_BLOCK": 2, "UPDATE_RUNNING": True}),
+        compile_for_sm90(forward, dict(x=pointer, residual=pointer, weight=pointer, bias=pointer, mean=f32, stat=f32,
+                                       out=pointer, pre=pointer, eps="fp32"),
+                         {**shape, "NUMEL": 784, "BLOCK": 1024, "HAS_WEIGHT": True, "HAS_BIAS": True,
+                          "STAT_IS_VAR": False}),
+    ]
+    reduce, finalize_grad, dx = norm.backward_kernels("silu", None, True)
+    compiled += [
+        compile_for_sm90(reduce, dict(dout=pointer, saved=pointer, x=pointer, mean=pointer, dpre=pointer,
+                                      part_sum=f32, part_dot=f32), {**shape, **split, "BLOCK": 128}),
+        compile_for_sm90(finalize_grad, dict(part_sum=f32, part_dot=f32, stat=pointer, weight=pointer,
+                                             dweight=pointer, dbias=pointer, mean=pointer, coef=f32, eps="fp32"),
+                         {"R": 392, "SPLIT": 2, "SPLIT_BLOCK": 2, "HAS_WEIGHT": True, "STAT_IS_VAR": True,
+                          "TRAINING": False, "WRITE_DWEIGHT": True, "WRITE_DBIAS": True}),
+        compile_for_sm90(dx, dict(dpre=pointer, x=pointer, coef=f32, dx=pointer), {**shape, "NUMEL": 784,
+                                                                                   "BLOCK": 1024}),
+    ]
+    assert all(compiled)
