@@ -15,7 +15,7 @@ import triton.language  # noqa: F401  (imported before TRITON_INTERPRET is set, 
 
 import fleetc
 from conftest import run_side_by_side
-from fleetc.codegen.triton import format_kernels, norm, program_kernels
+from fleetc.codegen.triton import format_kernels, launch, norm, program_kernels
 from fleetc.codegen.triton.launch import cache_dir, load_kernel
 from fleetc.ops import fused_norm
 from fleetc.ops.activations import ACTIVATIONS as ACTIVATION_TABLE
@@ -136,6 +136,14 @@ def test_channels_split_into_chunks(interpret, monkeypatch, min_blocks):
     check_backward(t, True, "relu", None, affine=True, output_mask=[True, True, True], tol=FP32)
 
 
+def test_inputs_the_kernels_cannot_take_are_named(interpret):
+    rm, rv = torch.zeros(3), torch.ones(3)
+    with pytest.raises(ValueError, match=r"rank >= 2 with channels in dim 1, got shape \(3,\)"):
+        norm.fused_bn_act(torch.randn(3), None, None, rm, rv, True, 0.1, 1e-5, "relu", None)
+    with pytest.raises(ValueError, match=r"at least one element per channel, got shape \(0, 3, 4\)"):
+        norm.fused_bn_act(torch.randn(0, 3, 4), None, None, rm, rv, True, 0.1, 1e-5, "relu", None)
+
+
 def test_variance_of_values_far_from_zero(interpret):
     """Two-pass chunk statistics: a mean of 1000 does not cancel a variance of 1e-4 (sum of squares would)."""
     g = torch.Generator().manual_seed(1)
@@ -200,9 +208,10 @@ def test_kernel_sources_name_each_kernel(interpret):
     assert sorted(set(eval_names)) == ["fused_bn_add_relu_fwd", "fused_bn_relu_fwd"] and len(eval_names) == 5
 
 
-def test_sources_are_cached_on_disk_and_cpu_tensors_take_the_reference(interpret):
+def test_sources_are_cached_on_disk_and_cpu_tensors_take_the_reference(interpret, monkeypatch):
+    monkeypatch.setattr(launch, "_MODULES", {})  # as in a fresh process: kernels loaded by earlier tests are forgotten
     t = make_inputs((2, 3, 4))
-    act = ("leaky_relu", 0.05)  # a slope no other test uses: its kernels are not loaded in memory yet
+    act = ("leaky_relu", 0.05)
     dispatched = SimpleNamespace(fused_bn_act=resolve_callable("fleetc.fused_bn_act"))
     out, rm, rv = run_forward(dispatched, t, True, *act, False, True)
     want, want_rm, want_rv = run_forward(fused_norm, t, True, *act, False, True)
@@ -262,7 +271,7 @@ def test_kernels_compile_to_cubin_without_a_gpu(monkeypatch, tmp_path, pointer):
         compile_for_sm90(stats, dict(x=pointer, part_mean=f32, part_m2=f32), {**shape, **split, "BLOCK": 128}),
         compile_for_sm90(finalize, dict(part_mean=f32, part_m2=f32, mean_out=f32, rstd_out=f32, running_mean=pointer,
                                         running_var=pointer, momentum="fp32", eps="fp32"),
-                         {**split, "SPLIT_BLOCK": 2, "UPDATE_RUNNING": True}),
+                         {**split, "SPLIT_BLOCK": 2}),
         compile_for_sm90(forward, dict(x=pointer, residual=pointer, weight=pointer, bias=pointer, mean=f32, stat=f32,
                                        out=pointer, pre=pointer, eps="fp32"),
                          {**shape, "NUMEL": 784, "BLOCK": 1024, "HAS_WEIGHT": True, "HAS_BIAS": True,

@@ -74,7 +74,7 @@ def {name}(x, part_mean, part_m2, C: tl.constexpr, S: tl.constexpr, R: tl.conste
 
 _STATS_FINALIZE = _HEADER + '''@triton.jit
 def {name}(part_mean, part_m2, mean_out, rstd_out, running_mean, running_var, momentum, eps, R: tl.constexpr,
-        SPLIT: tl.constexpr, CHUNK: tl.constexpr, SPLIT_BLOCK: tl.constexpr, UPDATE_RUNNING: tl.constexpr):
+        SPLIT: tl.constexpr, CHUNK: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
     c = tl.program_id(0)
     j = tl.arange(0, SPLIT_BLOCK)
     valid = j < SPLIT
@@ -85,13 +85,12 @@ def {name}(part_mean, part_m2, mean_out, rstd_out, running_mean, running_var, mo
     m2 = tl.reduce(tl.load(part_m2 + c * SPLIT + j, mask=valid, other=0.0) + count * d * d, 0, _add)
     tl.store(mean_out + c, mean)
     tl.store(rstd_out + c, 1.0 / tl.sqrt(m2 / R + eps))
-    if UPDATE_RUNNING:
-        old_mean = tl.load(running_mean + c).to(tl.float32)
-        old_var = tl.load(running_var + c).to(tl.float32)
-        new_mean = (1.0 - momentum) * old_mean + momentum * mean
-        new_var = (1.0 - momentum) * old_var + momentum * (m2 / (R - 1))
-        tl.store(running_mean + c, new_mean.to(running_mean.dtype.element_ty))
-        tl.store(running_var + c, new_var.to(running_var.dtype.element_ty))
+    old_mean = tl.load(running_mean + c).to(tl.float32)
+    old_var = tl.load(running_var + c).to(tl.float32)
+    new_mean = (1.0 - momentum) * old_mean + momentum * mean
+    new_var = (1.0 - momentum) * old_var + momentum * (m2 / (R - 1))
+    tl.store(running_mean + c, new_mean.to(running_mean.dtype.element_ty))
+    tl.store(running_var + c, new_var.to(running_var.dtype.element_ty))
 '''
 
 # STAT_IS_VAR: `stat` holds the running variance (eval), else the batch rstd (training).
@@ -261,6 +260,8 @@ def _layout(x: torch.Tensor) -> tuple[int, int, int]:
     if x.dim() < 2:
         raise ValueError(f"batch norm kernels need an input of rank >= 2 with channels in dim 1, got shape "
                          f"{tuple(x.shape)}")
+    if x.numel() == 0:
+        raise ValueError(f"batch norm kernels need at least one element per channel, got shape {tuple(x.shape)}")
     if x.numel() >= 2 ** 31:
         raise ValueError(f"batch norm kernels index with int32: input of {x.numel()} elements is too large")
     return x.shape[0], x.shape[1], math.prod(x.shape[2:])
@@ -292,9 +293,9 @@ def stats_dtype(x: torch.Tensor, *params: torch.Tensor | None) -> torch.dtype:
     return torch.float32 if mixed else x.dtype
 
 
-def _batch_statistics(kernels: tuple[KernelSource, ...], x: torch.Tensor, running_mean: torch.Tensor | None,
-                      running_var: torch.Tensor | None, momentum: float, eps: float) -> tuple[torch.Tensor, ...]:
-    """fp32 (mean, rstd) per channel; updates the running statistics in place when given."""
+def _batch_statistics(kernels: tuple[KernelSource, ...], x: torch.Tensor, running_mean: torch.Tensor,
+                      running_var: torch.Tensor, momentum: float, eps: float) -> tuple[torch.Tensor, ...]:
+    """fp32 (mean, rstd) per channel; updates the running statistics in place."""
     _, channels, spatial = _layout(x)
     split = _reduction_split(x.numel() // channels)
     part_mean = torch.empty(channels, split["SPLIT"], dtype=torch.float32, device=x.device)
@@ -302,11 +303,8 @@ def _batch_statistics(kernels: tuple[KernelSource, ...], x: torch.Tensor, runnin
     _launch(kernels[0], (channels, split["SPLIT"]), x, part_mean, part_m2, C=channels, S=spatial, **split)
     mean = torch.empty(channels, dtype=torch.float32, device=x.device)
     rstd = torch.empty_like(mean)
-    update = running_mean is not None
-    _launch(kernels[1], (channels,), part_mean, part_m2, mean, rstd, running_mean if update else mean,
-            running_var if update else rstd, float(momentum), float(eps), R=split["R"], SPLIT=split["SPLIT"],
-            CHUNK=split["CHUNK"], SPLIT_BLOCK=_split_block(split),
-            UPDATE_RUNNING=update)
+    _launch(kernels[1], (channels,), part_mean, part_m2, mean, rstd, running_mean, running_var, float(momentum),
+            float(eps), R=split["R"], SPLIT=split["SPLIT"], CHUNK=split["CHUNK"], SPLIT_BLOCK=_split_block(split))
     return mean, rstd
 
 
@@ -323,12 +321,13 @@ def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
         saved = (mean.to(saved_dtype), stat.to(saved_dtype))
     else:
         mean, stat = running_mean, running_var
-        saved = (torch.empty(0, dtype=saved_dtype, device=x.device),) * 2
+        saved = tuple(torch.empty(0, dtype=saved_dtype, device=x.device) for _ in range(2))
     out, pre = torch.empty_like(x), torch.empty_like(x)
+    # absent operands are passed as x (never read: HAS_* are off) so every launch has the same arity
     _launch_pointwise(kernels[-1], x.numel(), x, residual if residual is not None else x,
-            weight if weight is not None else x, bias if bias is not None else x, mean, stat, out, pre, float(eps),
-            C=channels, S=spatial, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-            STAT_IS_VAR=not training)
+                      weight if weight is not None else x, bias if bias is not None else x, mean, stat, out, pre,
+                      float(eps), C=channels, S=spatial, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+                      STAT_IS_VAR=not training)
     return out, pre, *saved
 
 
