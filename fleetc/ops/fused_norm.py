@@ -18,7 +18,9 @@ def _batch_norm(x, weight, bias, running_mean, running_var, training, momentum, 
     return aten._native_batch_norm_legit_no_training.default(x, weight, bias, running_mean, running_var, momentum, eps)
 
 
-@register_op("fused_bn_act", "batch norm + activation; training updates the running statistics in place")
+@register_op("fused_bn_act", "batch norm + activation; training updates the running statistics in place",
+             kernels={"cuda": "fleetc.codegen.triton.norm:fused_bn_act"},
+             kernel_sources="fleetc.codegen.triton.norm:fused_bn_sources")
 def fused_bn_act(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, running_mean: torch.Tensor,
                  running_var: torch.Tensor, training: bool, momentum: float, eps: float, act: str,
                  param: Any) -> tuple[torch.Tensor, ...]:
@@ -32,7 +34,9 @@ def fused_bn_act(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tenso
     return apply(act, normed, param), normed, mean, rstd
 
 
-@register_op("fused_bn_add_act", "batch norm + residual add + activation (ResNet block tail)")
+@register_op("fused_bn_add_act", "batch norm + residual add + activation (ResNet block tail)",
+             kernels={"cuda": "fleetc.codegen.triton.norm:fused_bn_add_act"},
+             kernel_sources="fleetc.codegen.triton.norm:fused_bn_sources")
 def fused_bn_add_act(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                      running_mean: torch.Tensor, running_var: torch.Tensor, training: bool, momentum: float,
                      eps: float, act: str, param: Any) -> tuple[torch.Tensor, ...]:
@@ -42,7 +46,9 @@ def fused_bn_add_act(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
     return apply(act, pre, param), pre, mean, rstd
 
 
-@register_op("fused_bn_act_grad", "backward of fused_bn_act and fused_bn_add_act: dx, dweight, dbias, dresidual")
+@register_op("fused_bn_act_grad", "backward of fused_bn_act and fused_bn_add_act: dx, dweight, dbias, dresidual",
+             kernels={"cuda": "fleetc.codegen.triton.norm:fused_bn_act_grad"},
+             kernel_sources="fleetc.codegen.triton.norm:fused_bn_sources")
 def fused_bn_act_grad(dout: torch.Tensor, saved: torch.Tensor | None, x: torch.Tensor, weight: torch.Tensor | None,
                       running_mean: torch.Tensor | None, running_var: torch.Tensor | None, save_mean: torch.Tensor | None,
                       save_rstd: torch.Tensor | None, training: bool, eps: float, output_mask: list, act: str,
