@@ -103,3 +103,27 @@ def apply(act_name: str, x: torch.Tensor, param: Any) -> torch.Tensor:
 
 def apply_grad(act_name: str, grad: torch.Tensor, saved: torch.Tensor | None, param: Any) -> torch.Tensor:
     return ACTIVATIONS[act_name].grad(grad, saved, param)
+
+
+def activation_call(act_name: str, x: Any, param: Any) -> tuple[str, tuple, tuple]:
+    """(op type, args, kwargs pairs) of `act(x)` as a captured Program writes it (see match_activation)."""
+    op_type = ACTIVATIONS[act_name].op_type
+    if act_name == "gelu":
+        return op_type, (x,), (("approximate", param),)
+    if act_name in ("leaky_relu", "scale"):
+        return op_type, (x, param), ()
+    return op_type, (x,), ()
+
+
+def activation_grad_call(act_name: str, grad: Any, saved: Any, param: Any) -> tuple[str, tuple, tuple]:
+    """(op type, args, kwargs pairs) of `act`'s gradient op as a captured Program writes it (see is_grad_op)."""
+    op_type = ACTIVATIONS[act_name].grad_type
+    if act_name == "relu":
+        return op_type, (grad, saved, 0), ()
+    if act_name == "gelu":
+        return op_type, (grad, saved), (("approximate", param),)
+    if act_name == "leaky_relu":
+        return op_type, (grad, saved, param, False), ()
+    if act_name == "scale":
+        return op_type, (grad, param), ()
+    return op_type, (grad, saved), ()

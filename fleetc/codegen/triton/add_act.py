@@ -17,7 +17,7 @@ import torch
 from fleetc.codegen.triton.kernel import KernelSource, generate_kernel
 from fleetc.codegen.triton.launch import run_fused_elementwise
 from fleetc.ir.program import Op, Var
-from fleetc.ops.activations import ACTIVATIONS
+from fleetc.ops.activations import activation_call, activation_grad_call
 from fleetc.ops.fused_elementwise import operand
 
 _ADD = "aten.add.Tensor"
@@ -31,30 +31,6 @@ class Launch:
     steps: tuple
     results: tuple
     inputs: tuple[int, ...]  # which of the op's tensor arguments the kernel reads
-
-
-def activation_step(act: str, value: str, param: Any) -> tuple:
-    """The step computing `act(value)` as the captured Program writes it (activations.match_activation)."""
-    op_type = ACTIVATIONS[act].op_type
-    if act == "gelu":
-        return op_type, (value,), (("approximate", param),)
-    if act in ("leaky_relu", "scale"):
-        return op_type, (value, param), ()
-    return op_type, (value,), ()
-
-
-def activation_grad_step(act: str, grad: str, saved: str | None, param: Any) -> tuple:
-    """The step computing `act`'s gradient as the captured Program writes it (activations.is_grad_op)."""
-    op_type = ACTIVATIONS[act].grad_type
-    if act == "relu":
-        return op_type, (grad, saved, 0), ()
-    if act == "gelu":
-        return op_type, (grad, saved), (("approximate", param),)
-    if act == "leaky_relu":
-        return op_type, (grad, saved, param, False), ()
-    if act == "scale":
-        return op_type, (grad, param), ()
-    return op_type, (grad, saved), ()
 
 
 def _act_tag(act: str, param: Any) -> str:
@@ -71,18 +47,18 @@ def forward_launches(x_shape: tuple, y_shape: tuple, act_first: bool, act: str, 
     x, y = operand(0), operand(1)
     if not act_first:
         name = f"fused_add_{_act_tag(act, param)}"
-        return [Launch(name, ((_ADD, (x, y), ()), activation_step(act, operand(2), param)), (3, 2), (0, 1))]
+        return [Launch(name, ((_ADD, (x, y), ()), activation_call(act, operand(2), param)), (3, 2), (0, 1))]
     name = f"fused_{_act_tag(act, param)}_add"
-    steps = (activation_step(act, y, param), (_ADD, (x, operand(2)), ()))
+    steps = (activation_call(act, y, param), (_ADD, (x, operand(2)), ()))
     if tuple(y_shape) == tuple(torch.broadcast_shapes(x_shape, y_shape)):
         return [Launch(name, steps, (3, 2), (0, 1))]
     return [Launch(name, steps, (3,), (0, 1)),
-            Launch(f"{name}_inter", (activation_step(act, operand(0), param),), (1,), (1,))]
+            Launch(f"{name}_inter", (activation_call(act, operand(0), param),), (1,), (1,))]
 
 
 def grad_launch(has_saved: bool, act: str, param: Any) -> Launch:
     """The one kernel of `fused_elemwise_add_act_grad` (scale's gradient reads no saved value)."""
-    step = activation_grad_step(act, operand(0), operand(1) if has_saved else None, param)
+    step = activation_grad_call(act, operand(0), operand(1) if has_saved else None, param)
     inputs = (0, 1) if has_saved else (0,)
     return Launch(f"fused_add_{_act_tag(act, param)}_grad", (step,), (len(inputs),), inputs)
 

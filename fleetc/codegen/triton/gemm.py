@@ -24,7 +24,7 @@ import torch
 
 from fleetc.codegen.triton.kernel import KernelSource
 from fleetc.codegen.triton.launch import Launcher, _next_pow2, interpreting, load_kernel
-from fleetc.codegen.triton.lowering import constant, lower
+from fleetc.codegen.triton.lowering import activation_expression, activation_grad_expression
 from fleetc.ir.program import Op, Var
 from fleetc.ops import fused_gemm
 from fleetc.ops.activations import ACTIVATIONS
@@ -52,33 +52,6 @@ def _add(a, b):
 
 
 '''
-
-
-def _param_operands(act: str, param: Any) -> tuple[list[str], dict[str, str]]:
-    """The activation's constant as the trailing operands / keywords of its captured aten op."""
-    if act == "gelu":
-        return [], {"approximate": repr(param)}
-    if act in ("leaky_relu", "scale"):
-        return [constant(param)], {}
-    return [], {}
-
-
-# Operands the captured grad op takes after its constant (relu's threshold, leaky_relu's self_is_result).
-_GRAD_TRAILING = {"relu": ["0"], "leaky_relu": ["False"]}
-
-
-def activation_expr(act: str, param: Any, x: str) -> str:
-    """Triton expression of `act(x)`, from the lowering of the activation's aten op."""
-    operands, keywords = _param_operands(act, param)
-    return lower(ACTIVATIONS[act].op_type, [x, *operands], keywords)
-
-
-def activation_grad_expr(act: str, param: Any, grad: str, saved: str) -> str:
-    """Triton expression of the activation's grad (`saved` is `h` or `out`, per `Activation.saves`)."""
-    definition = ACTIVATIONS[act]
-    operands, keywords = _param_operands(act, param)
-    saved_operand = [saved] if definition.saves else []
-    return lower(definition.grad_type, [grad, *saved_operand, *operands, *_GRAD_TRAILING.get(act, [])], keywords)
 
 
 def _base_name(act: str | None, param: Any) -> str:
@@ -117,7 +90,7 @@ def forward_kernel(act: str | None, param: Any) -> KernelSource:
             "mask = (rows < M) & (cols < N)"]
     if act:
         body += ["tl.store(h_out + rows * N + cols, h.to(h_out.dtype.element_ty), mask=mask)",
-                 f"tl.store(out + rows * N + cols, {activation_expr(act, param, 'h')}.to(out.dtype.element_ty), "
+                 f"tl.store(out + rows * N + cols, {activation_expression(act, param, 'h')}.to(out.dtype.element_ty), "
                  "mask=mask)"]
     else:
         body.append("tl.store(out + rows * N + cols, h.to(out.dtype.element_ty), mask=mask)")
@@ -146,7 +119,7 @@ def _load_g(act: str | None, param: Any, rows: str, cols: str) -> list[str]:
         lines.append(f"s = tl.load(saved + {rows} * SAVED_S0 + {cols} * SAVED_S1, mask=g_mask, other=0.0)"
                      ".to(tl.float32)")
     if act:
-        lines.append(f"g = tl.where(g_mask, {activation_grad_expr(act, param, 'g', 's')}, 0.0)")
+        lines.append(f"g = tl.where(g_mask, {activation_grad_expression(act, param, 'g', 's')}, 0.0)")
     return lines
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
+from fleetc.ops.activations import activation_call, activation_grad_call
+
 _SQRT1_2 = repr(math.sqrt(0.5))
 _SQRT_2_OVER_PI = repr(math.sqrt(2 / math.pi))
 _INV_SQRT_2PI = repr(1 / math.sqrt(2 * math.pi))
@@ -168,3 +170,28 @@ def _placeholder(value: Any) -> str:
         return constant(value)
     except LoweringError:
         return "x"  # a tensor operand
+
+
+class Operand(str):
+    """Triton source naming a value (not a string constant) inside an op call given as data."""
+
+
+def _source_text(value: Any) -> str:
+    if isinstance(value, Operand):
+        return str(value)
+    return repr(value) if isinstance(value, str) else constant(value)
+
+
+def lower_call(op_type: str, args: tuple, kwargs: tuple) -> str:
+    """The Triton expression of an op call given as data: Operand arguments are values, the rest constants."""
+    return lower(op_type, [_source_text(a) for a in args], {k: _source_text(v) for k, v in kwargs})
+
+
+def activation_expression(act_name: str, param: Any, x: str) -> str:
+    """The Triton expression of an activation of the value `x`, lowered as the captured op is."""
+    return lower_call(*activation_call(act_name, Operand(x), param))
+
+
+def activation_grad_expression(act_name: str, param: Any, grad: str, saved: str) -> str:
+    """The Triton expression of an activation's gradient from `grad` and the value its grad op saves."""
+    return lower_call(*activation_grad_call(act_name, Operand(grad), Operand(saved), param))

@@ -27,7 +27,7 @@ import torch
 
 from fleetc.codegen.triton.kernel import KernelSource
 from fleetc.codegen.triton.launch import block_sizes, cache_dir, interpreting, load_kernel
-from fleetc.codegen.triton.lowering import constant, lower
+from fleetc.codegen.triton.lowering import activation_expression, activation_grad_expression
 from fleetc.ir.program import Op, Var
 from fleetc.ops.activations import ACTIVATIONS
 
@@ -181,26 +181,6 @@ def {name}(dpre, x, coef, dx, C: tl.constexpr, S: tl.constexpr, NUMEL: tl.conste
               - centered * tl.load(coef + c4 + 3, mask=mask, other=0.0)) * tl.load(coef + c4 + 1, mask=mask, other=0.0)
     tl.store(dx + offs, result.to(dx.dtype.element_ty), mask=mask)
 '''
-
-
-def activation_expression(act_name: str, param: Any, x: str) -> str:
-    """The Triton expression of an activation of `x` (lowering.py's, called as the captured op calls it)."""
-    act = ACTIVATIONS[act_name]
-    if act_name == "gelu":
-        return lower(act.op_type, [x], {"approximate": repr(param)})
-    if act_name in ("leaky_relu", "scale"):
-        return lower(act.op_type, [x, constant(param)], {})
-    return lower(act.op_type, [x], {})
-
-
-def activation_grad_expression(act_name: str, param: Any, grad: str, saved: str) -> str:
-    """The Triton expression of an activation's gradient from the incoming `grad` and the value its grad op saves."""
-    act = ACTIVATIONS[act_name]
-    if act_name == "gelu":
-        return lower(act.grad_type, [grad, saved], {"approximate": repr(param)})
-    args = {"relu": [grad, saved, "0"], "leaky_relu": [grad, saved, constant(param), "False"],
-            "scale": [grad, constant(param)]}.get(act_name, [grad, saved])
-    return lower(act.grad_type, args, {})
 
 
 def _kernel(name: str, template: str, reduce_over_channels: bool, **fields: str) -> KernelSource:
