@@ -22,6 +22,7 @@ _ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57  # Philox 4x32 multipliers
 _KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85  # Weyl key increments
 # Triton's uint_to_uniform_float scale for 32-bit draws: the largest float with (2**31 - 1) * scale < 1.
 UNIFORM_SCALE = 4.6566127342e-10
+_CHUNK = 1 << 14
 
 
 def _mul_hi_lo(constant: int, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,11 +38,19 @@ def philox_uniform(rng_state: torch.Tensor, numel: int) -> torch.Tensor:
     """`tl.rand(seed, offset + arange(numel))` as fp32 on rng_state's device: Philox 4x32-10 on int64 lanes.
 
     The key is the seed's two 32-bit halves; the counter is (low, high 32 bits of offset + i, 0, 0),
-    as Triton builds it for int64 offsets. Only the first of the four outputs is used.
+    as Triton builds it for int64 offsets. Only the first of the four outputs is used. Computed in
+    chunks of `_CHUNK` counters, which keeps the dozens of int64 temporaries of a round in cache.
     """
     seed, offset = rng_state[0], rng_state[1]
-    k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
-    counter = offset + torch.arange(numel, dtype=torch.int64, device=rng_state.device)
+    key = (seed & _MASK32, (seed >> 32) & _MASK32)
+    out = torch.empty(numel, dtype=torch.float32, device=rng_state.device)
+    for start in range(0, numel, _CHUNK):
+        counter = offset + torch.arange(start, min(start + _CHUNK, numel), dtype=torch.int64, device=out.device)
+        out[start:start + _CHUNK] = _philox_chunk(counter, *key)
+    return out
+
+
+def _philox_chunk(counter: torch.Tensor, k0: torch.Tensor, k1: torch.Tensor) -> torch.Tensor:
     c0, c1 = counter & _MASK32, (counter >> 32) & _MASK32
     c2 = c3 = torch.zeros_like(c0)
     for _ in range(_ROUNDS):
@@ -87,9 +96,10 @@ def is_training(train: bool | None) -> bool:
              kernel_sources="fleetc.codegen.triton.dropout:fused_dropout_add_philox_sources")
 def fused_dropout_add_philox(x: torch.Tensor, residual: torch.Tensor, p: float,
                              train: bool | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`rng_state = [seed, offset]` drawn from x's device; `out = residual + where(keep, x * scale, 0)`.
+    """aten: `out = add.Tensor(residual, where.self(keep, mul.Tensor(x, scale), 0))` with `keep` the Philox
+    keep mask (`keep_mask`) of `rng_state = [seed, offset]`, freshly drawn from x's device; scale = 1 / (1 - p).
 
-    Eval mode (`train=False`) draws nothing and returns `residual + x` with rng_state [0, 0].
+    Returns (out, rng_state). Eval mode (`train=False`) draws nothing: `add.Tensor(residual, x)`, rng_state [0, 0].
     """
     if not is_training(train):
         return residual + x, torch.zeros(2, dtype=torch.int64, device=x.device)
@@ -103,7 +113,8 @@ def fused_dropout_add_philox(x: torch.Tensor, residual: torch.Tensor, p: float,
              kernel_sources="fleetc.codegen.triton.dropout:philox_dropout_mul_sources")
 def philox_dropout_mul(t: torch.Tensor, rng_state: torch.Tensor, p: float, train: bool | None,
                        scale: float) -> torch.Tensor:
-    """`where(keep, t * scale, 0)` with `keep` regenerated from `rng_state` and p; `t * scale` in eval mode."""
+    """aten: `where.self(keep, mul.Tensor(t, scale), 0)` with `keep` regenerated from `rng_state` and p
+    (`keep_mask`); `mul.Tensor(t, scale)` in eval mode."""
     if not is_training(train):
         return t * scale
     return torch.where(keep_mask(rng_state, t.shape, p), t * scale, torch.zeros((), dtype=t.dtype, device=t.device))
