@@ -139,7 +139,8 @@ def test_non_contiguous_inputs(interpret):
     (out, state), (want, _) = _forward_both(x, residual, 0.4, True)
     assert torch.equal(out, want)
     dout = torch.randn(29, 13).t()
-    assert torch.equal(run_philox_dropout_mul(dout, state, 0.4, True, 2.5), philox_dropout_mul(dout, state, 0.4, True, 2.5))
+    want_dx = philox_dropout_mul(dout, state, 0.4, True, 2.5)
+    assert torch.equal(run_philox_dropout_mul(dout, state, 0.4, True, 2.5), want_dx)
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
@@ -195,7 +196,8 @@ def test_kernels_compile_to_cubin_without_a_gpu(monkeypatch, tmp_path):
     monkeypatch.setenv("FLEETC_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "bin"))
     constexprs = {"TRAIN": True, "NUMEL": 1000, "BLOCK": 1024}
-    common = {"rng_state": "*i64", "out": "*bf16", "p": "fp32", "scale": "fp32"} | dict.fromkeys(constexprs, "constexpr")
+    common = {"rng_state": "*i64", "out": "*bf16", "p": "fp32", "scale": "fp32"}
+    common |= dict.fromkeys(constexprs, "constexpr")
     for kernel, tensors in ((FORWARD_KERNEL, {"x": "*bf16", "residual": "*bf16"}), (MUL_KERNEL, {"t": "*bf16"})):
         compiled = triton_compile(ASTSource(load_kernel(kernel), tensors | common, constexprs),
                                   target=GPUTarget("cuda", 90, 32))
