@@ -115,6 +115,7 @@ def philox_dropout_mul(t: torch.Tensor, rng_state: torch.Tensor, p: float, train
                        scale: float) -> torch.Tensor:
     """aten: `where.self(keep, mul.Tensor(t, scale), 0)` with `keep` regenerated from `rng_state` and p
     (`keep_mask`); `mul.Tensor(t, scale)` in eval mode."""
+    scaled = t * torch.tensor(scale, dtype=torch.float32, device=t.device)  # the kernels' fp32 scale argument
     if not is_training(train):
-        return t * scale
-    return torch.where(keep_mask(rng_state, t.shape, p), t * scale, torch.zeros((), dtype=t.dtype, device=t.device))
+        return scaled
+    return torch.where(keep_mask(rng_state, t.shape, p), scaled, torch.zeros((), dtype=t.dtype, device=t.device))

@@ -134,6 +134,14 @@ def test_low_precision_kernels_round_the_fp32_result_once(interpret, dtype):
                                **LOW_PRECISION[dtype])
 
 
+def test_float64_is_computed_in_float64(interpret):
+    x, residual, dout = (torch.randn(11, 7, dtype=torch.float64) for _ in range(3))
+    (out, state), (want, _) = _forward_both(x, residual, 0.3, True)
+    assert out.dtype == torch.float64 and torch.equal(out, want)
+    assert torch.equal(run_philox_dropout_mul(dout, state, 0.3, True, 1 / 0.7),
+                       philox_dropout_mul(dout, state, 0.3, True, 1 / 0.7))
+
+
 def test_non_contiguous_inputs(interpret):
     x, residual = torch.randn(29, 13).t(), torch.randn(13, 29)
     (out, state), (want, _) = _forward_both(x, residual, 0.4, True)

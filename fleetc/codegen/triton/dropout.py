@@ -51,6 +51,15 @@ def _uniform(rng_state, index):
     return x * 4.6566127342e-10
 
 
+@triton.jit
+def _load(pointer, offs, mask):
+    """Float math in fp32 (low precision upcast, rounded once on store); fp64 stays fp64."""
+    value = tl.load(pointer + offs, mask=mask, other=0)
+    if value.dtype != tl.float64:
+        value = value.to(tl.float32)
+    return value
+
+
 '''
 
 _FORWARD = _PHILOX + '''@triton.jit
@@ -58,10 +67,12 @@ def fused_dropout_add_philox(x, residual, rng_state, out, p, scale, TRAIN: tl.co
                              BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < NUMEL
-    dropped = tl.load(x + offs, mask=mask, other=0).to(tl.float32)
+    p = tl.cast(p, tl.float32)
+    scale = tl.cast(scale, tl.float32)
+    dropped = _load(x, offs, mask)
     if TRAIN:
         dropped = tl.where(_uniform(rng_state, offs) >= p, dropped * scale, 0.0)
-    kept = tl.load(residual + offs, mask=mask, other=0).to(tl.float32) + dropped
+    kept = _load(residual, offs, mask) + dropped
     tl.store(out + offs, kept.to(out.dtype.element_ty), mask=mask)
 '''
 
@@ -69,7 +80,8 @@ _MUL = _PHILOX + '''@triton.jit
 def philox_dropout_mul(t, rng_state, out, p, scale, TRAIN: tl.constexpr, NUMEL: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < NUMEL
-    scaled = tl.load(t + offs, mask=mask, other=0).to(tl.float32) * scale
+    p = tl.cast(p, tl.float32)
+    scaled = _load(t, offs, mask) * tl.cast(scale, tl.float32)
     if TRAIN:
         scaled = tl.where(_uniform(rng_state, offs) >= p, scaled, 0.0)
     tl.store(out + offs, scaled.to(out.dtype.element_ty), mask=mask)
