@@ -188,4 +188,5 @@ def test_forced_philox_gpt_trains_and_recompute_replays_the_same_masks(philox_ev
     replays = [op for op in recomputed.program.global_block.ops
                if op.type == "fleetc.philox_dropout_mul" and op.attrs.get("provenance") == "recompute"]
     assert len(replays) == 2  # the fused dropouts inside the recomputed segments replay from their rng states
+    assert stats(recomputed, "fuse_dropout_add")["recompute_replays_from_rng_state"] == 2
     assert stats(recomputed, "fuse_dropout_add")["backward_groups"] == 4  # recompute's replays are not gradients
