@@ -12,6 +12,8 @@ exact oracle of the Triton kernels (fleetc/codegen/triton/dropout.py) and the fa
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from fleetc.ops.registry import register_op
@@ -65,11 +67,8 @@ def _philox_chunk(counter: torch.Tensor, k0: torch.Tensor, k1: torch.Tensor) -> 
 
 def keep_mask(rng_state: torch.Tensor, shape: torch.Size, p: float) -> torch.Tensor:
     """The bool keep mask of a tensor of `shape`: element i is kept when its uniform draw is >= p (in fp32)."""
-    numel = 1
-    for d in shape:
-        numel *= d
     threshold = torch.tensor(p, dtype=torch.float32, device=rng_state.device)
-    return (philox_uniform(rng_state, numel) >= threshold).view(shape)
+    return (philox_uniform(rng_state, math.prod(shape)) >= threshold).view(shape)
 
 
 def dropout_scale(p: float) -> float:
@@ -77,11 +76,13 @@ def dropout_scale(p: float) -> float:
     return 0.0 if p == 1 else 1.0 / (1.0 - p)
 
 
-def draw_rng_state(device: torch.device) -> torch.Tensor:
-    """[seed, offset]: a fresh 63-bit seed from the default generator of `device` (so `torch.manual_seed`
-    reproduces it) and offset 0, the Philox counter of element 0."""
+def new_rng_state(device: torch.device, train: bool | None) -> torch.Tensor:
+    """[seed, offset] for one dropout call: in training a fresh 63-bit seed from the default generator of
+    `device` (so `torch.manual_seed` reproduces it) and offset 0, the Philox counter of element 0; in eval
+    mode [0, 0], drawing nothing (as native_dropout draws nothing)."""
     state = torch.zeros(2, dtype=torch.int64, device=device)
-    state[:1].random_()
+    if is_training(train):
+        state[:1].random_()
     return state
 
 
@@ -101,9 +102,9 @@ def fused_dropout_add_philox(x: torch.Tensor, residual: torch.Tensor, p: float,
 
     Returns (out, rng_state). Eval mode (`train=False`) draws nothing: `add.Tensor(residual, x)`, rng_state [0, 0].
     """
+    rng_state = new_rng_state(x.device, train)
     if not is_training(train):
-        return residual + x, torch.zeros(2, dtype=torch.int64, device=x.device)
-    rng_state = draw_rng_state(x.device)
+        return residual + x, rng_state
     return residual + philox_dropout_mul(x, rng_state, p, train, dropout_scale(p)), rng_state
 
 

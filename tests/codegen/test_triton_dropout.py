@@ -142,10 +142,12 @@ def test_float64_is_computed_in_float64(interpret):
                        philox_dropout_mul(dout, state, 0.3, True, 1 / 0.7))
 
 
-def test_non_contiguous_inputs(interpret):
+def test_non_contiguous_and_broadcast_inputs(interpret):
     x, residual = torch.randn(29, 13).t(), torch.randn(13, 29)
     (out, state), (want, _) = _forward_both(x, residual, 0.4, True)
     assert torch.equal(out, want)
+    (broadcast_out, _), (want, _) = _forward_both(x, torch.randn(29), 0.4, True)
+    assert torch.equal(broadcast_out, want)
     dout = torch.randn(29, 13).t()
     want_dx = philox_dropout_mul(dout, state, 0.4, True, 2.5)
     assert torch.equal(run_philox_dropout_mul(dout, state, 0.4, True, 2.5), want_dx)

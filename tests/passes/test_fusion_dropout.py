@@ -75,6 +75,20 @@ def test_eval_mode_dropout_is_the_identity():
     assert torch.equal(out, residual + x) and bool(mask.all())
 
 
+def test_mask_form_with_recompute_matches_eager_and_fuses_every_backward():
+    """Recompute's replays of a dropout (backward-role copies of the forward) are not its gradient: the
+    native_dropout_backward still fuses, and the replays keep reading the fused op's mask."""
+    strategy = fusion_strategy("fuse_dropout_add")
+    strategy.recompute = True
+    strategy.recompute_configs = {"checkpoints": ["layers.0", "layers.1"]}
+    run = run_side_by_side("gpt", "sgd", steps=2, strategy=strategy)
+    run.assert_same()
+    assert stats(run.trainer, "fuse_dropout_add") == {"forward_groups": 4, "backward_groups": 4, "ops_removed": 4,
+                                                      "mask_rng_groups": 4}
+    types = op_types(run.trainer.program)
+    assert types.count("fleetc.fused_dropout_add_grad") == 4 and types.count("fleetc.dropout_replay") == 4
+
+
 def test_the_rng_choice_follows_the_dropped_values_device():
     choice, program = DropoutRngChoice(), Program()
     assert choice.use_philox(program, Var("x", (4,), "float32", "cuda:0"))

@@ -20,7 +20,7 @@ import torch
 from fleetc.codegen.triton.kernel import KernelSource
 from fleetc.codegen.triton.launch import Launcher, block_sizes, interpreting, load_kernel
 from fleetc.ir.program import Op, Var
-from fleetc.ops.dropout_philox import draw_rng_state, dropout_scale, is_training
+from fleetc.ops.dropout_philox import dropout_scale, is_training, new_rng_state
 
 _PHILOX = '''import triton
 import triton.language as tl
@@ -109,11 +109,10 @@ def _launcher(kernel: KernelSource, like: torch.Tensor, dtype: torch.dtype, p: f
 def run_fused_dropout_add_philox(x: torch.Tensor, residual: torch.Tensor, p: float,
                                  train: bool | None) -> tuple[torch.Tensor, torch.Tensor]:
     """`fleetc.fused_dropout_add_philox` in one kernel (CUDA tensors, or any under TRITON_INTERPRET=1)."""
-    training = is_training(train)
-    rng_state = draw_rng_state(x.device) if training else torch.zeros(2, dtype=torch.int64, device=x.device)
+    rng_state = new_rng_state(x.device, train)
     dtype = torch.promote_types(x.dtype, residual.dtype)
-    launcher = _launcher(FORWARD_KERNEL, x, dtype, p, dropout_scale(p), training)
-    return launcher((x.contiguous(), residual.contiguous(), rng_state)), rng_state
+    launcher = _launcher(FORWARD_KERNEL, x, dtype, p, dropout_scale(p), is_training(train))
+    return launcher((x.contiguous(), residual.expand_as(x).contiguous(), rng_state)), rng_state
 
 
 def run_philox_dropout_mul(t: torch.Tensor, rng_state: torch.Tensor, p: float, train: bool | None,
