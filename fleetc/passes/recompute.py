@@ -22,7 +22,8 @@ from fleetc.passes.recompute_rewrite import apply_plan
 __all__ = ["Choice", "Recompute", "RecomputePolicy"]
 
 _DROPOUT_NOTE = ("dropout in recomputed segments is replayed from its saved mask (1 byte per element), "
-                 "as x * mask * scale, so no new random numbers are drawn and gradients match")
+                 "as x * mask * scale, so no new random numbers are drawn and gradients match (fuse_dropout_add's "
+                 "Philox form, when chosen, replays a fused dropout from its 16-byte rng state instead)")
 
 
 def _trial_copy(program: Program) -> Program:
