@@ -121,4 +121,3 @@ def test_every_zoo_kernel_matches_its_reference_on_real_inputs(zoo_name, monkeyp
         assert len(got_out) == len(want_out), op_type
         for g, w in zip(got_out + got_args, want_out + want_args):
             torch.testing.assert_close(g, w, **FP32, msg=lambda m: f"{op_type}: {m}")
-    assert list(tmp_path.glob("triton/*.py")), "no kernel source was written to the cache"
