@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fleetc.ir.program import Op, Program
-from fleetc.passes.allreduce import SINGLE_PROCESS, START, WAIT, allreduce_pair, data_parallel_world
+from fleetc.passes.allreduce import ALLOC, SINGLE_PROCESS, START, WAIT, allreduce_ops, data_parallel_world
 from fleetc.passes.base import PassReport
 
 MB = 1 << 20
@@ -61,7 +61,8 @@ class FuseAllreduce:
             return program, report
         block = program.global_block
         starts = [op for op in block.ops if op.type == START]
-        waits = {op.args[0].name: op for op in block.ops if op.type == WAIT}
+        waits = {op.args[1].name: op for op in block.ops if op.type == WAIT}
+        allocs = {op.outputs[0]: op for op in block.ops if op.type == ALLOC}
         if len(starts) < 2:
             report.skipped_reason = "fewer than two gradient allreduces: nothing to fuse"
             return program, report
@@ -70,16 +71,16 @@ class FuseAllreduce:
                   block.vars[grad_of_start[s.name]].nbytes()) for s in starts]
         buckets = plan_buckets(order, config.fuse_grad_size_in_MB * MB, config.last_comm_group_size_MB * MB,
                                config.fuse_grad_size_in_TFLOPS)
-        algorithm = starts[0].args[2]
+        algorithm = starts[0].args[4]
         start_of_grad = {grad_of_start[s.name]: s for s in starts}
-        removed = {s.name for s in starts} | {waits[s.outputs[0]].name for s in starts}
+        removed = {op.name for s in starts for op in (allocs[s.args[0].name], s, waits[s.outputs[0]])}
         for s in starts:
-            del block.vars[s.outputs[0]], block.vars[s.outputs[1]]
+            del block.vars[s.args[0].name], block.vars[s.outputs[0]]
         issue_after: dict[str, list[Op]] = {}
         for index, bucket in enumerate(buckets):
-            pair = allreduce_pair(program, bucket.grads, index % config.nccl_comm_num, algorithm, f"bucket{index}",
+            bucket_ops = allreduce_ops(program, bucket.grads, index % config.nccl_comm_num, algorithm, f"bucket{index}",
                                   self.name)
-            issue_after.setdefault(start_of_grad[bucket.grads[-1]].name, []).extend(pair)
+            issue_after.setdefault(start_of_grad[bucket.grads[-1]].name, []).extend(bucket_ops)
             report.count("buckets")
             report.count("gradients", len(bucket.grads))
         ops = []
@@ -88,7 +89,7 @@ class FuseAllreduce:
             if op.name in removed:
                 if op.type == START:
                     grad = grad_of_start[op.name]
-                    waiting[grad] = op.args[0][0].name
+                    waiting[grad] = op.args[1][0].name
             else:
                 op.rename_inputs(waiting)
                 ops.append(op)
