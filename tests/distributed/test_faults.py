@@ -11,7 +11,7 @@ TIMEOUT_S = 4.0
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["die", "hang"])
 def test_missing_rank_fails_the_survivor_within_the_timeout(tmp_path, mode):
-    results = spawn(2, "faults", {"mode": mode, "hang_s": 15}, tmp_path, deadline_s=60,
+    results = spawn(2, "faults", {"mode": mode, "hang_s": 10}, tmp_path, deadline_s=60,
                     collective_timeout_s=TIMEOUT_S)
     survivor, missing = results
     assert survivor.returncode == 0, survivor.output[-3000:]
