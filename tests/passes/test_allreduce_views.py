@@ -13,6 +13,7 @@ import fleetc
 from conftest import eager_step
 from fleetc.distributed import collectives, trainer as dp_trainer
 from fleetc.distributed.trainer import DataParallelTrainer
+from fleetc.ir.liveness import view_vars
 from fleetc.ir.program import Op, OpRole, Ref, Var
 from fleetc.ir.verifier import verify
 from fleetc.ops import registry
@@ -55,6 +56,8 @@ def test_report_counts_gradients_written_in_place_and_copied(programs, zoo_name)
     assert len(slots) == in_place and all(op.attrs["provenance"] == "allreduce_views" for op in slots)
     writers = [op for op in ops if any(k in op.kwargs for k in ("out", "grad_input"))]
     assert len(writers) == in_place
+    # liveness sees what an out= overload returns as its `out` argument: no new bytes in the memory estimate
+    assert {n for op in writers for n in op.defined} <= view_vars(program.global_block)
     for start in (op for op in ops if op.type == START):
         flat = start.args[0].name
         allocated = next(i for i, op in enumerate(ops) if op.outputs == [flat])
