@@ -4,8 +4,9 @@ A bucket's flat buffer is allocated by the Program (`aten.empty`); gradients who
 straight into their slot of it are marked in place (see passes/allreduce_views.py), the others are
 copied into their slot by `fleetc.c_allreduce_start`, which then issues the averaging allreduce on
 the buffer. `fleetc.c_allreduce_wait` waits for it and returns the averaged gradients as views of
-the buffer (no copy back). A synchronous allreduce is a start directly followed by its wait. The hierarchical algorithm reduces to each node's first rank, allreduces across
-nodes, then broadcasts inside the node.
+the buffer (no copy back). A synchronous allreduce is a start directly followed by its wait. The
+hierarchical algorithm reduces to each node's first rank, allreduces across nodes, then broadcasts
+inside the node.
 """
 from __future__ import annotations
 

@@ -71,7 +71,8 @@ def all_pass_names() -> list[str]:
     """Every pass name the pipeline can contain (for --disable-pass validation)."""
     return [RemoveNoopViews.name, AutoMixedPrecision.name, SyncBatchNorm.name, Recompute.name,
             *(f.name for f in _FUSIONS), AutoFusion.name, GradientMerge.name, InsertAllreduce.name,
-            FuseAllreduce.name, AllreduceViews.name, OverlapAllreduce.name, FuseOptimizerOps.name, DeadCodeElimination.name]
+            FuseAllreduce.name, AllreduceViews.name, OverlapAllreduce.name, FuseOptimizerOps.name,
+            DeadCodeElimination.name]
 
 
 # Strategy switches whose rewrite is not built yet: (dotted field, what would implement it).
