@@ -11,7 +11,7 @@ TIMEOUT_S = 4.0
 @pytest.mark.slow
 def test_a_dead_or_hung_rank_fails_the_survivor_within_the_timeout(tmp_path):
     # Both jobs run at once: the hung one spends most of its time asleep or waiting out the timeout.
-    jobs = {mode: start(2, "faults", {"mode": mode, "hang_s": 15}, tmp_path / mode, deadline_s=90,
+    jobs = {mode: start(2, "faults", {"mode": mode, "hang_s": 30}, tmp_path / mode, deadline_s=90,
                         collective_timeout_s=TIMEOUT_S) for mode in ("die", "hang")}
     for mode, job in jobs.items():
         survivor, missing = job.collect()

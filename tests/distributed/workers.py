@@ -100,9 +100,12 @@ def faults(rank: int, args: dict, out_dir: str) -> None:
     trainer = fleetc.compile(model, optimizer=opt, loss_fn=entry.loss_fn)
     trainer.step(*batch)
     torch.save(outcome, os.path.join(out_dir, f"rank{rank}.pt"))
+    reported = os.path.join(out_dir, "survivor_reported")
     if rank == 1:
-        if args["mode"] == "hang":
-            time.sleep(args["hang_s"])  # far past the survivors' timeout, then exit without a word
+        if args["mode"] == "hang":  # silent past the survivor's timeout: until it has reported (hang_s at most)
+            give_up = time.monotonic() + args["hang_s"]
+            while time.monotonic() < give_up and not os.path.exists(reported):
+                time.sleep(0.1)
         os._exit(3)
     start = time.monotonic()
     try:
@@ -112,6 +115,7 @@ def faults(rank: int, args: dict, out_dir: str) -> None:
         outcome["error"] = str(exc)
     outcome["seconds"] = time.monotonic() - start
     torch.save(outcome, os.path.join(out_dir, f"rank{rank}.pt"))
+    open(reported, "w").close()
     os._exit(0)  # the process group is broken; skip its teardown
 
 
