@@ -1,5 +1,8 @@
 """Data-parallel step time and collective count: fleetc unfused vs fused (vs overlapped) vs torch DDP, side by side.
 
+"fused, packing copy" is fused with the `allreduce_views` pass disabled: the start op copies every gradient
+into the bucket buffer instead of the producers writing into it.
+
 Usage: OMP_NUM_THREADS=1 python bench/dp.py [--layers 25] [--width 256] [--batch 32] [--rounds 7] [--steps 10]
 Starts 2 ranks on loopback (gloo) itself; rank 0 prints the table. The model is a stack of Linear+ReLU
 layers (2 parameter tensors per layer, so 25 layers = 50 tensors). Each round times every variant for
@@ -26,10 +29,11 @@ import fleetc.fleet as fleet
 from fleetc.passes.allreduce import START
 
 WORLD = 2
-VARIANTS = {
-    "fleetc unfused": {"fuse_all_reduce_ops": False},
-    "fleetc fused": {"fuse_all_reduce_ops": True},
-    "fleetc fused+overlap": {"fuse_all_reduce_ops": True, "sync_nccl_allreduce": False},
+VARIANTS = {  # name → (strategy fields, passes disabled)
+    "fleetc unfused": ({"fuse_all_reduce_ops": False}, ()),
+    "fleetc fused, packing copy": ({"fuse_all_reduce_ops": True}, ("allreduce_views",)),
+    "fleetc fused": ({"fuse_all_reduce_ops": True}, ()),
+    "fleetc fused+overlap": ({"fuse_all_reduce_ops": True, "sync_nccl_allreduce": False}, ()),
 }
 
 
@@ -38,13 +42,13 @@ def make_model(layers: int, width: int) -> nn.Module:
     return nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.ReLU())])
 
 
-def fleetc_trainer(options: argparse.Namespace, fields: dict):
+def fleetc_trainer(options: argparse.Namespace, fields: dict, disabled: tuple):
     model = make_model(options.layers, options.width)
     strategy = fleet.DistributedStrategy()
     for key, value in fields.items():
         setattr(strategy, key, value)
     fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=1e-3), strategy)
-    trainer = fleet.distributed_model(model, loss_fn=F.mse_loss)
+    trainer = fleet.distributed_model(model, loss_fn=F.mse_loss, disable_passes=disabled)
     return trainer.step, trainer
 
 
@@ -65,11 +69,12 @@ def worker(options: argparse.Namespace) -> None:
     fleet.init(is_collective=True)
     rank = fleet.worker_index()
     x, y = torch.randn(options.batch, options.width), torch.randn(options.batch, options.width)
-    steps, counts = {}, {}
-    for name, fields in VARIANTS.items():
-        steps[name], trainer = fleetc_trainer(options, fields)
+    steps, counts, views = {}, {}, {}
+    for name, (fields, disabled) in VARIANTS.items():
+        steps[name], trainer = fleetc_trainer(options, fields, disabled)
         steps[name](x, y)  # compile
         counts[name] = sum(op.type == START for _, op in trainer.program.walk_ops())
+        views[name] = trainer.report().stats.get("allreduce_views", {})
     steps["torch DDP"], ddp = ddp_step(options)
     steps["torch DDP"](x, y)
     steps["torch DDP"](x, y)  # DDP rebuilds its buckets after the first iteration
@@ -90,11 +95,14 @@ def worker(options: argparse.Namespace) -> None:
         print(f"{WORLD} ranks (gloo, loopback), {params} parameter tensors, "
               f"{options.layers}x Linear({options.width},{options.width}), batch {options.batch} per rank, "
               f"median of {options.rounds} rounds x {options.steps} steps")
-        print(f"{'variant':<22} {'collectives/step':>16} {'step ms':>9} {'vs unfused':>10} {'vs DDP':>8}")
+        print(f"{'variant':<26} {'collectives/step':>16} {'step ms':>9} {'vs unfused':>10} {'vs DDP':>8}")
         for name in steps:
             median = statistics.median(times[name])
-            print(f"{name:<22} {counts[name]:>16} {median * 1e3:>9.2f} {median / unfused:>10.2f} "
+            print(f"{name:<26} {counts[name]:>16} {median * 1e3:>9.2f} {median / unfused:>10.2f} "
                   f"{median / ddp_time:>8.2f}")
+        print("gradients written into the bucket buffer / copied into it: "
+              + ", ".join(f"{name} {v['in_place']}/{v['copied']}" if v else f"{name} all copied (pass off)"
+                          for name, v in views.items()))
     fleet.stop_worker()
 
 

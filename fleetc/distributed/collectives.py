@@ -1,10 +1,12 @@
 """Gradient allreduce ops (role collective): one flat buffer per bucket, issued async, waited on with a timeout.
 
-`fleetc.c_allreduce_start` packs a bucket's gradients into one flat buffer (one copy) and issues
-the averaging allreduce; `fleetc.c_allreduce_wait` waits for it and returns the averaged gradients
-as views of the flat buffer (no copy back). A synchronous allreduce is a start directly followed
-by its wait. The hierarchical algorithm reduces to each node's first rank, allreduces across
-nodes, then broadcasts inside the node.
+A bucket's flat buffer is allocated by the Program (`aten.empty`); gradients whose producers write
+straight into their slot of it are marked in place (see passes/allreduce_views.py), the others are
+copied into their slot by `fleetc.c_allreduce_start`, which then issues the averaging allreduce on
+the buffer. `fleetc.c_allreduce_wait` waits for it and returns the averaged gradients as views of
+the buffer (no copy back). A synchronous allreduce is a start directly followed by its wait. The
+hierarchical algorithm reduces to each node's first rank, allreduces across nodes, then broadcasts
+inside the node.
 """
 from __future__ import annotations
 
@@ -56,11 +58,40 @@ def blocking_collective(label: str, fn, *args, **kwargs) -> None:
     wait_collective(label, run_collective(label, fn, *args, async_op=True, **kwargs))
 
 
-@register_op("c_allreduce_start", "pack gradients into one flat buffer and issue its averaging allreduce (async)")
-def c_allreduce_start(grads: list, group: str, algorithm: str, label: str) -> tuple[torch.Tensor, PendingAllreduce]:
-    # Always a fresh buffer: a gradient may share storage with values backward still reads.
-    flat = torch.cat([g.reshape(-1) for g in grads])
+def fill_bucket(flat: torch.Tensor, grads: list, in_place: list, label: str) -> None:
+    """Copy the gradients not written in place into their slots of `flat`; check the others are in their slots.
+
+    An in-place gradient outside its slot would leave garbage in the buffer, so it is an error, never a copy.
+    """
+    offset = 0
+    for index, (grad, written) in enumerate(zip(grads, in_place)):
+        numel = grad.numel()
+        if not written:
+            flat[offset:offset + numel].view(grad.shape).copy_(grad)
+        elif grad.data_ptr() != flat.data_ptr() + offset * flat.element_size() or not grad.is_contiguous():
+            raise RuntimeError(f"{label}: gradient {index} of the bucket was to be written into its slot at element "
+                               f"{offset} of the bucket buffer but lives elsewhere")
+        offset += numel
+
+
+def bucket_views(flat: torch.Tensor, shapes: list) -> list[torch.Tensor]:
+    """Views of consecutive slots of `flat`, one per shape."""
+    views, offset = [], 0
+    for shape in shapes:
+        numel = 1
+        for d in shape:
+            numel *= d
+        views.append(flat[offset:offset + numel].view(shape))
+        offset += numel
+    return views
+
+
+@register_op("c_allreduce_start", "copy the gradients not written in place into the bucket buffer and issue its "
+             "averaging allreduce (async)")
+def c_allreduce_start(flat: torch.Tensor, grads: list, in_place: list, group: str, algorithm: str,
+                      label: str) -> PendingAllreduce:
     label = f"gradient allreduce {label!r}"
+    fill_bucket(flat, grads, in_place, label)
     if algorithm == HIERARCHICAL:
         intra = f"intra:{group}"
         root = groups.group_ranks(intra)[0]
@@ -69,7 +100,7 @@ def c_allreduce_start(grads: list, group: str, algorithm: str, label: str) -> tu
     else:
         work = run_collective(label, dist.all_reduce, flat, op=dist.ReduceOp.AVG, group=groups.group(f"dp:{group}"),
                               async_op=True)
-    return flat, PendingAllreduce(work, label, algorithm, group)
+    return PendingAllreduce(work, label, algorithm, group)
 
 
 @register_op("c_allreduce_wait", "wait for a bucket's allreduce; the averaged gradients are views of its buffer")
@@ -82,11 +113,5 @@ def c_allreduce_wait(flat: torch.Tensor, pending: PendingAllreduce, shapes: list
             blocking_collective(pending.label, dist.all_reduce, flat, op=dist.ReduceOp.SUM, group=groups.group(inter))
         blocking_collective(pending.label, dist.broadcast, flat, root, group=groups.group(intra))
         flat.div_(dist.get_world_size())
-    views, offset = [], 0
-    for shape in shapes:
-        numel = 1
-        for d in shape:
-            numel *= d
-        views.append(flat[offset:offset + numel].view(shape))
-        offset += numel
+    views = bucket_views(flat, shapes)
     return views[0] if len(views) == 1 else tuple(views)

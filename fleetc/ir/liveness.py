@@ -30,8 +30,9 @@ def block_writes(program: Program, op: Op) -> list[str]:
 
 
 @functools.lru_cache(maxsize=None)
-def _view_argument(op_type: str, output_index: int) -> int | None:
-    """Position of the argument whose storage output `output_index` of an aten op type shares (schema lookup)."""
+def _view_argument(op_type: str, output_index: int) -> int | str | None:
+    """Position (keyword for keyword-only) of the argument whose storage output `output_index` of an aten op type
+    shares: a view's base, or the tensor an out= overload writes (schema lookup)."""
     if not op_type.startswith("aten."):
         return None
     try:
@@ -41,21 +42,24 @@ def _view_argument(op_type: str, output_index: int) -> int | None:
     if output_index >= len(schema.returns):
         return None
     alias = schema.returns[output_index].alias_info
-    if alias is None or alias.is_write:
+    if alias is None:
         return None
     for position, arg_schema in enumerate(schema.arguments):
         info = arg_schema.alias_info
-        if info is not None and not info.is_write and set(info.before_set) & set(alias.before_set):
-            return position
+        if info is not None and info.is_write == alias.is_write and set(info.before_set) & set(alias.before_set):
+            return arg_schema.name if arg_schema.kwarg_only else position
     return None
 
 
 def aliased_input(op: Op, output_index: int) -> str | None:
-    """For a view op (`aten.t`, `aten.view`, …) the input Var whose storage output `output_index` shares."""
-    position = _view_argument(op.type, output_index)
-    if position is None or position >= len(op.args):
+    """For a view op (`aten.t`, `aten.view`, …) or an out= overload the input Var whose storage output
+    `output_index` shares."""
+    where = _view_argument(op.type, output_index)
+    if isinstance(where, str):
+        return getattr(op.kwargs.get(where), "name", None)
+    if where is None or where >= len(op.args):
         return None
-    return getattr(op.args[position], "name", None)
+    return getattr(op.args[where], "name", None)
 
 
 def last_use_index(program: Program, block: Block, keep: set[str]) -> dict[str, int]:

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from fleetc.distributed.collectives import FLAT, HIERARCHICAL
 from fleetc.distributed.groups import group_partitions
 from fleetc.errors import StrategyError
 from fleetc.ir.program import Op, OpRole, Program, Ref, Var, VarKind
 from fleetc.passes.base import PassReport
 
+ALLOC = "aten.empty.memory_format"
 START = "fleetc.c_allreduce_start"
 WAIT = "fleetc.c_allreduce_wait"
 SINGLE_PROCESS = "single process: no collectives needed"
@@ -39,26 +42,34 @@ def gradient_vars(program: Program) -> list[str]:
     return grads
 
 
-def allreduce_pair(program: Program, grads: list[str], comm: int, algorithm: str, label: str,
-                   provenance: str) -> tuple[Op, Op]:
-    """A start op packing `<g>@LOCAL` of `grads` into one buffer and its wait op redefining each `<g>`."""
+def allreduce_ops(program: Program, grads: list[str], comm: int, algorithm: str, label: str,
+                   provenance: str) -> tuple[Op, Op, Op]:
+    """The bucket's flat buffer, a start op copying `<g>@LOCAL` of `grads` into it and a wait op redefining each `<g>`.
+
+    The buffer is a fresh `aten.empty` every step: the averaged gradients are views of it, and a user may hold
+    them (`p.grad` without an optimizer) past the step. allreduce_views.py moves the allocation up so that
+    producers write their gradients straight into it.
+    """
     block = program.global_block
     first = block.vars[grads[0]]
-    flat = block.add_var(Var(program.unique_name(f"{label}@FLAT"), (sum(_numel(block.vars[g]) for g in grads),),
+    flat = block.add_var(Var(program.unique_name(f"{label}@FLAT"), (sum(var_numel(block.vars[g]) for g in grads),),
                              first.dtype, first.device))
     pending = block.add_var(Var(program.unique_name(f"{label}@WORK"), None, "work", first.device))
     attrs = {"op_role": int(OpRole.COLLECTIVE), "provenance": provenance,
              "module_path": _common_module(program, grads)}
+    alloc = Op(program.unique_name(f"{label}_buffer"), ALLOC, (list(flat.shape),),
+               {"dtype": first.torch_dtype, "device": torch.device(first.device)}, [flat.name], dict(attrs))
     start = Op(program.unique_name(f"{label}_start"), START,
-               ([Ref(g + LOCAL_SUFFIX) for g in grads], comm, algorithm, label), {}, [flat.name, pending.name],
-               dict(attrs))
+               (Ref(flat.name), [Ref(g + LOCAL_SUFFIX) for g in grads], [False] * len(grads), comm, algorithm, label),
+               {}, [pending.name], dict(attrs))
     wait = Op(program.unique_name(f"{label}_wait"), WAIT,
               (Ref(flat.name), Ref(pending.name), [list(block.vars[g].shape) for g in grads]), {}, list(grads),
               dict(attrs))
-    return start, wait
+    return alloc, start, wait
 
 
-def _numel(var: Var) -> int:
+def var_numel(var: Var) -> int:
+    """Elements of a Var of static shape."""
     numel = 1
     for d in var.shape:
         numel *= d
@@ -106,7 +117,7 @@ class InsertAllreduce:
                 op.outputs = [local.name if o == grad else o for o in op.outputs]
             for grad in produced:
                 comm = production_index[grad] % config.nccl_comm_num
-                ops.extend(allreduce_pair(program, [grad], comm, algorithm, grad.removesuffix(GRAD_SUFFIX),
+                ops.extend(allreduce_ops(program, [grad], comm, algorithm, grad.removesuffix(GRAD_SUFFIX),
                                           self.name))
                 report.count("allreduces")
         block.ops = ops

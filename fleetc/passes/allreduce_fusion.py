@@ -4,15 +4,18 @@ Gradients are taken in the order backward produces them (reverse layer order) an
 A bucket closes at `fuse_grad_size_in_MB` or at `fuse_grad_size_in_TFLOPS` gradients (Paddle uses
 that field as a count); the first bucket of each dtype closes at `last_comm_group_size_MB`, so the
 first collective starts early in backward. A bucket is issued right after its last gradient is
-produced; buckets go to the `nccl_comm_num` communicators round-robin.
+produced; buckets go to the `nccl_comm_num` communicators round-robin. An op that reads a gradient
+before its bucket is issued (gradient merge's accumulation) moves down past the bucket's wait, so it
+reads the averaged gradient, as it does without fusion.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
+from fleetc.ir.liveness import block_reads
 from fleetc.ir.program import Op, Program
-from fleetc.passes.allreduce import SINGLE_PROCESS, START, WAIT, allreduce_pair, data_parallel_world
+from fleetc.passes.allreduce import ALLOC, SINGLE_PROCESS, START, WAIT, allreduce_ops, data_parallel_world
 from fleetc.passes.base import PassReport
 
 MB = 1 << 20
@@ -45,6 +48,50 @@ def plan_buckets(grads: list[tuple[str, str, int]], cap_bytes: float, first_cap_
     return sorted(closed + leftovers, key=lambda b: last_grad_position[b.grads[-1]])
 
 
+def _writes(program: Program, op: Op) -> set[str]:
+    """Vars an op defines, including inside its sub-block (recursively)."""
+    names = set(op.defined)
+    if op.sub_block is not None:
+        for inner in program.blocks[op.sub_block].ops:
+            names |= _writes(program, inner)
+    return names
+
+
+class _Deferred:
+    """Ops that read a gradient before its bucket is issued must read the averaged gradient, as without fusion.
+
+    They move down, with every op that depends on them, to just before the first later op that conflicts with
+    them once their buckets are issued (or to the end of the block), so the waits still move no earlier than
+    needed (overlap).
+    """
+
+    def __init__(self, program: Program):
+        self.program = program
+        self.ops: list[Op] = []
+        self.defined: set[str] = set()  # what deferred ops define: later readers and writers conflict
+        self.read: set[str] = set()  # what deferred ops read: later writers (of persistables) conflict
+
+    def place(self, op: Op, waiting: set[str]) -> list[Op]:
+        """The ops to append now for `op`: none while it has to wait, else any deferred ops it needs, then itself."""
+        reads, writes = set(block_reads(self.program, op)), _writes(self.program, op)
+        conflicts = self.defined & (reads | writes) or self.read & writes
+        if reads & waiting or (conflicts and not self.ready(waiting)):
+            self.ops.append(op)
+            self.defined |= writes
+            self.read |= reads
+            return []
+        return [*self.flush(), op] if conflicts else [op]
+
+    def ready(self, waiting: set[str]) -> bool:
+        return not any(waiting.intersection(block_reads(self.program, op)) for op in self.ops)
+
+    def flush(self) -> list[Op]:
+        ops, self.ops = self.ops, []
+        self.defined.clear()
+        self.read.clear()
+        return ops
+
+
 class FuseAllreduce:
     name = "fuse_all_reduce_ops"
     summary = "bucket gradient allreduces: one flat buffer and one collective per bucket"
@@ -61,7 +108,8 @@ class FuseAllreduce:
             return program, report
         block = program.global_block
         starts = [op for op in block.ops if op.type == START]
-        waits = {op.args[0].name: op for op in block.ops if op.type == WAIT}
+        waits = {op.args[1].name: op for op in block.ops if op.type == WAIT}
+        allocs = {op.outputs[0]: op for op in block.ops if op.type == ALLOC}
         if len(starts) < 2:
             report.skipped_reason = "fewer than two gradient allreduces: nothing to fuse"
             return program, report
@@ -70,32 +118,35 @@ class FuseAllreduce:
                   block.vars[grad_of_start[s.name]].nbytes()) for s in starts]
         buckets = plan_buckets(order, config.fuse_grad_size_in_MB * MB, config.last_comm_group_size_MB * MB,
                                config.fuse_grad_size_in_TFLOPS)
-        algorithm = starts[0].args[2]
+        algorithm = starts[0].args[4]
         start_of_grad = {grad_of_start[s.name]: s for s in starts}
-        removed = {s.name for s in starts} | {waits[s.outputs[0]].name for s in starts}
+        removed = {op.name for s in starts for op in (allocs[s.args[0].name], s, waits[s.outputs[0]])}
         for s in starts:
-            del block.vars[s.outputs[0]], block.vars[s.outputs[1]]
+            del block.vars[s.args[0].name], block.vars[s.outputs[0]]
         issue_after: dict[str, list[Op]] = {}
         for index, bucket in enumerate(buckets):
-            pair = allreduce_pair(program, bucket.grads, index % config.nccl_comm_num, algorithm, f"bucket{index}",
+            bucket_ops = allreduce_ops(program, bucket.grads, index % config.nccl_comm_num, algorithm, f"bucket{index}",
                                   self.name)
-            issue_after.setdefault(start_of_grad[bucket.grads[-1]].name, []).extend(pair)
+            issue_after.setdefault(start_of_grad[bucket.grads[-1]].name, []).extend(bucket_ops)
             report.count("buckets")
             report.count("gradients", len(bucket.grads))
-        ops = []
-        waiting: dict[str, str] = {}  # gradients produced whose bucket is not issued yet: readers get the local value
+        ops: list[Op] = []
+        waiting: set[str] = set()  # gradients produced whose bucket is not issued yet
+        deferred = _Deferred(program)
         for op in block.ops:
             if op.name in removed:
                 if op.type == START:
-                    grad = grad_of_start[op.name]
-                    waiting[grad] = op.args[0][0].name
+                    waiting.add(grad_of_start[op.name])
             else:
-                op.rename_inputs(waiting)
-                ops.append(op)
+                placed = deferred.place(op, waiting)
+                if not placed:
+                    report.count("ops_deferred")
+                ops.extend(placed)
             for new_op in issue_after.get(op.name, ()):
                 ops.append(new_op)
-                for grad in new_op.outputs if new_op.type == WAIT else ():
-                    waiting.pop(grad)
+                if new_op.type == WAIT:
+                    waiting.difference_update(new_op.outputs)
+        ops.extend(deferred.flush())
         block.ops = ops
         report.stats["allreduces_before"] = len(starts)
         report.changed = True

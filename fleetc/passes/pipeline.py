@@ -11,6 +11,7 @@ from typing import Any
 from fleetc.passes.allreduce import InsertAllreduce
 from fleetc.passes.allreduce_fusion import FuseAllreduce
 from fleetc.passes.allreduce_overlap import OverlapAllreduce
+from fleetc.passes.allreduce_views import AllreduceViews
 from fleetc.passes.amp import AutoMixedPrecision
 from fleetc.passes.auto_fusion import AutoFusion
 from fleetc.passes.base import Pass
@@ -49,6 +50,7 @@ def build_pipeline(config: Any, recompute_policy: RecomputePolicy | None = None)
         *([GradientMerge()] if config.gradient_merge else []),  # update once per k steps, on summed gradients
         InsertAllreduce(),  # data parallel only: average every gradient across ranks
         FuseAllreduce(),  # one flat buffer and one collective per bucket of gradients
+        AllreduceViews(),  # gradient producers write into their bucket's buffer (no packing copy)
         OverlapAllreduce(),  # wait for a bucket just before its first consumer (sync_nccl_allreduce=False)
         # (sharding and pipeline split go here)
         *([FuseOptimizerOps()] if _enabled(config, FuseOptimizerOps) else []),  # one multi-tensor update per group
@@ -69,7 +71,8 @@ def all_pass_names() -> list[str]:
     """Every pass name the pipeline can contain (for --disable-pass validation)."""
     return [RemoveNoopViews.name, AutoMixedPrecision.name, SyncBatchNorm.name, Recompute.name,
             *(f.name for f in _FUSIONS), AutoFusion.name, GradientMerge.name, InsertAllreduce.name,
-            FuseAllreduce.name, OverlapAllreduce.name, FuseOptimizerOps.name, DeadCodeElimination.name]
+            FuseAllreduce.name, AllreduceViews.name, OverlapAllreduce.name, FuseOptimizerOps.name,
+            DeadCodeElimination.name]
 
 
 # Strategy switches whose rewrite is not built yet: (dotted field, what would implement it).

@@ -30,32 +30,53 @@ class RankResult:
     result: object
 
 
-def spawn(world: int, worker: str, args: dict, out_dir: pathlib.Path, deadline_s: float = 90.0,
-          collective_timeout_s: float = 20.0) -> list[RankResult]:
-    """Start `world` processes running `workers.<worker>(rank, args, out_dir)`; kill them all at the deadline."""
+@dataclass
+class Job:
+    """Rank processes started together, killed together at `end`; each rank's output goes to a log file."""
+
+    procs: list[subprocess.Popen]
+    logs: list[pathlib.Path]
+    out_dir: pathlib.Path
+    end: float
+
+    def collect(self) -> list[RankResult]:
+        """Wait for every rank (all are killed at the deadline) and read what each left behind."""
+        results = []
+        for rank, proc in enumerate(self.procs):
+            try:
+                code = proc.wait(timeout=max(0.1, self.end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                for other in self.procs:
+                    other.kill()
+                proc.wait()
+                code = None
+            path = self.out_dir / f"rank{rank}.pt"
+            results.append(RankResult(rank, code, self.logs[rank].read_text(errors="replace"),
+                                      torch.load(path) if path.exists() else None))
+        return results
+
+
+def start(world: int, worker: str, args: dict, out_dir: pathlib.Path, deadline_s: float = 90.0,
+          collective_timeout_s: float = 20.0) -> Job:
+    """Start `world` processes running `workers.<worker>(rank, args, out_dir)`, to be killed at the deadline."""
+    out_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    procs = []
+    procs, logs = [], []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), OMP_NUM_THREADS="1", FLEETC_COLLECTIVE_TIMEOUT=str(collective_timeout_s),
                    PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS)]))
         command = [sys.executable, "-m", "distributed.workers", worker, json.dumps(args), str(out_dir)]
-        procs.append(subprocess.Popen(command, env=env, cwd=TESTS, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
-    end = time.monotonic() + deadline_s
-    results = []
-    for rank, proc in enumerate(procs):
-        try:
-            output, _ = proc.communicate(timeout=max(0.1, end - time.monotonic()))
-            code = proc.returncode
-        except subprocess.TimeoutExpired:
-            for other in procs:
-                other.kill()
-            output, _ = proc.communicate()
-            code = None
-        path = out_dir / f"rank{rank}.pt"
-        results.append(RankResult(rank, code, output, torch.load(path) if path.exists() else None))
-    return results
+        logs.append(out_dir / f"rank{rank}.log")
+        with logs[-1].open("w") as log:  # a file, not a pipe: a chatty rank never blocks on a full pipe
+            procs.append(subprocess.Popen(command, env=env, cwd=TESTS, stdout=log, stderr=subprocess.STDOUT))
+    return Job(procs, logs, out_dir, time.monotonic() + deadline_s)
+
+
+def spawn(world: int, worker: str, args: dict, out_dir: pathlib.Path, deadline_s: float = 90.0,
+          collective_timeout_s: float = 20.0) -> list[RankResult]:
+    """Run `workers.<worker>` in `world` processes and wait for them (all killed at the deadline)."""
+    return start(world, worker, args, out_dir, deadline_s, collective_timeout_s).collect()
 
 
 def assert_all_ok(results: list[RankResult]) -> None:

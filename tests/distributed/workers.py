@@ -7,6 +7,7 @@ import sys
 import time
 
 import torch
+from torch import nn
 
 import fleetc
 import fleetc.fleet as fleet
@@ -31,14 +32,24 @@ def make_strategy(settings: dict) -> fleetc.DistributedStrategy:
     return strategy
 
 
+def make_model(config: dict) -> nn.Module:
+    """The config's zoo model; `dropout_off` sets every dropout probability to 0."""
+    model = ZOO[config["zoo"]].make_model()
+    for module in model.modules():
+        if config.get("dropout_off") and isinstance(module, nn.Dropout):
+            module.p = 0.0
+    return model
+
+
 def train(rank: int, world: int, config: dict) -> dict:
     """Data-parallel training of a zoo model on this rank's shard of each global batch."""
     entry = ZOO[config["zoo"]]
     torch.manual_seed(rank)  # different on every rank: the broadcast from rank 0 must make them equal
-    model = entry.make_model()
+    model = make_model(config)
     opt = fleet.distributed_optimizer(OPTIMIZERS[config["optimizer"]](model.parameters()),
                                       make_strategy(config["strategy"]))
-    trainer = fleetc.compile(model, optimizer=opt, loss_fn=entry.loss_fn, verify=True)
+    # Every rank compiles the same model, strategy and shard shapes into the same Program: verifying one is enough.
+    trainer = fleetc.compile(model, optimizer=opt, loss_fn=entry.loss_fn, verify=rank == 0)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     losses = [trainer.step(*shard(batch, rank, world)) for batch in global_batches(config["zoo"], config["steps"])]
     ops = [op.type for _, op in trainer.program.walk_ops()]
@@ -89,9 +100,12 @@ def faults(rank: int, args: dict, out_dir: str) -> None:
     trainer = fleetc.compile(model, optimizer=opt, loss_fn=entry.loss_fn)
     trainer.step(*batch)
     torch.save(outcome, os.path.join(out_dir, f"rank{rank}.pt"))
+    reported = os.path.join(out_dir, "survivor_reported")
     if rank == 1:
-        if args["mode"] == "hang":
-            time.sleep(args["hang_s"])  # far past the survivors' timeout, then exit without a word
+        if args["mode"] == "hang":  # silent past the survivor's timeout: until it has reported (hang_s at most)
+            give_up = time.monotonic() + args["hang_s"]
+            while time.monotonic() < give_up and not os.path.exists(reported):
+                time.sleep(0.1)
         os._exit(3)
     start = time.monotonic()
     try:
@@ -101,6 +115,7 @@ def faults(rank: int, args: dict, out_dir: str) -> None:
         outcome["error"] = str(exc)
     outcome["seconds"] = time.monotonic() - start
     torch.save(outcome, os.path.join(out_dir, f"rank{rank}.pt"))
+    open(reported, "w").close()
     os._exit(0)  # the process group is broken; skip its teardown
 
 

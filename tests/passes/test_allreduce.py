@@ -58,7 +58,7 @@ def test_every_gradient_gets_an_allreduce_right_after_its_producer(programs):
     ops = program.global_block.ops
     for i, op in enumerate(ops):
         if op.type == START:
-            local = op.args[0][0].name
+            local = op.args[1][0].name
             assert ops[i - 1].outputs.count(local) == 1, "the start follows the gradient's producer"
             assert ops[i + 1].type == WAIT and ops[i + 1].outputs == [local.removesuffix("@LOCAL")]
             assert op.role == OpRole.COLLECTIVE and op.attrs["provenance"] == "insert_allreduce"
@@ -73,18 +73,20 @@ def test_fusion_buckets_by_count_in_production_order(programs):
     program, history = _run(programs["cnn"], fuse_grad_size_in_TFLOPS=4, nccl_comm_num=2)
     starts = [op for op in program.global_block.ops if op.type == START]
     assert len(starts) == 5 and _types(program).count(WAIT) == 5  # 17 gradients, at most 4 per bucket
-    assert [len(s.args[0]) for s in starts] == [4, 4, 4, 4, 1]
-    assert [s.args[1] for s in starts] == [0, 1, 0, 1, 0]  # communicators round-robin
-    first = [ref.name for ref in starts[0].args[0]]
+    assert [len(s.args[1]) for s in starts] == [4, 4, 4, 4, 1]
+    assert [s.args[3] for s in starts] == [0, 1, 0, 1, 0]  # communicators round-robin
+    first = [ref.name for ref in starts[0].args[1]]
     assert first[:2] == ["head.weight@GRAD@LOCAL", "head.bias@GRAD@LOCAL"]  # backward produces the head first
-    assert history["fuse_all_reduce_ops"].report.stats == {"allreduces_before": 17, "buckets": 5, "gradients": 17}
-    flat = program.var(starts[0].outputs[0])
-    assert flat.shape == (sum(program.var(r.name).nbytes() for r in starts[0].args[0]) // 4,)
+    # one op read a gradient before its bucket was issued (a dead `aten.t` of head.weight's, DCE drops it)
+    assert history["fuse_all_reduce_ops"].report.stats == {"allreduces_before": 17, "buckets": 5, "gradients": 17,
+                                                           "ops_deferred": 1}
+    flat = program.var(starts[0].args[0].name)
+    assert flat.shape == (sum(program.var(r.name).nbytes() for r in starts[0].args[1]) // 4,)
 
 
 def test_first_bucket_is_small_and_size_cap_closes_buckets(programs):
     program, _ = _run(programs["mlp"], last_comm_group_size_MB=0.001, fuse_grad_size_in_MB=1)
-    sizes = [[r.name for r in op.args[0]] for op in program.global_block.ops if op.type == START]
+    sizes = [[r.name for r in op.args[1]] for op in program.global_block.ops if op.type == START]
     # the first bucket closes at ~1 KB (out.weight alone is 2.5 KB): out.weight, then everything else in 1 MB
     assert sizes == [["out.weight@GRAD@LOCAL"], ["out.bias@GRAD@LOCAL", "fc2.weight@GRAD@LOCAL",
                                                  "fc2.bias@GRAD@LOCAL", "fc1.weight@GRAD@LOCAL",
@@ -105,7 +107,7 @@ def test_overlap_waits_just_before_the_first_consumer(programs):
     ops = program.global_block.ops
     for i, op in enumerate(ops):
         if op.type == WAIT:
-            start = next(j for j, s in enumerate(ops) if s.type == START and s.outputs[1] == op.args[1].name)
+            start = next(j for j, s in enumerate(ops) if s.type == START and s.outputs[0] == op.args[1].name)
             assert start < i
             assert set(op.outputs) & set(ops[i + 1].inputs) or ops[i + 1].type == WAIT
             assert not any(set(op.outputs) & set(o.inputs) for o in ops[start + 1:i])
@@ -127,7 +129,7 @@ def test_hierarchical_needs_a_node_size_that_divides_the_world(programs):
     with pytest.raises(PassError, match="hierarchical_allreduce_inter_nranks=3"):
         _run(programs["mlp"], world=4, use_hierarchical_allreduce=True, hierarchical_allreduce_inter_nranks=3)
     program, _ = _run(programs["mlp"], world=4, use_hierarchical_allreduce=True, hierarchical_allreduce_inter_nranks=2)
-    assert {op.args[2] for op in program.global_block.ops if op.type == START} == {"hierarchical"}
+    assert {op.args[4] for op in program.global_block.ops if op.type == START} == {"hierarchical"}
     assert program.metadata["collective_groups"] == {"intra:0": [[0, 1], [2, 3]], "inter:0": [[0, 2], [1, 3]]}
 
 
@@ -148,3 +150,10 @@ def test_gradient_merge_then_allreduce_keeps_the_program_valid(programs):
     program, history = _run(programs["mlp"], gradient_merge=True, gradient_merge_configs={"k_steps": 2})
     assert history["gradient_merge"].report.changed and _types(program).count(START) == 1
     assert history["insert_allreduce"].report.stats == {"allreduces": 6}
+    # The merge accumulates the averaged gradients: each accumulate waits for its bucket, as without fusion.
+    ops = program.global_block.ops
+    wait = next(i for i, op in enumerate(ops) if op.type == WAIT)
+    accumulates = [(i, op) for i, op in enumerate(ops) if op.type == "fleetc.accumulate"]
+    assert len(accumulates) == 6 and all(i > wait and op.args[1].name.endswith("@GRAD") for i, op in accumulates)
+    # 5 accumulates (fc1.bias's already follows its bucket) and 3 dead `aten.t` views of weight gradients
+    assert history["fuse_all_reduce_ops"].report.stats["ops_deferred"] == 8
