@@ -78,3 +78,11 @@ def run_side_by_side(zoo_name: str, optimizer_name: str, steps: int = 3, strateg
 @pytest.fixture
 def zoo():
     return ZOO
+
+
+@pytest.fixture
+def interpret(monkeypatch, tmp_path):
+    """Triton kernels run under TRITON_INTERPRET=1 (on CPU tensors), with a kernel cache of their own."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("FLEETC_CACHE_DIR", str(tmp_path))
+    return tmp_path

@@ -4,11 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_triton_kernels import LOW_PRECISION, interpret  # noqa: F401  (interpret is a fixture)
+from test_triton_kernels import LOW_PRECISION
 from torch import nn
 
 from fleetc.cli import main
-from fleetc.codegen.triton import add_act, program_kernels
+from fleetc.codegen.triton import add_act
 from fleetc.codegen.triton.launch import cache_dir, kernel_for
 from fleetc.ir.program import Op, Ref, Var
 from fleetc.ops import fused_add_act

@@ -23,13 +23,6 @@ RATES = [0.0, 0.1, 0.5, 0.999, 1.0]
 LOW_PRECISION = {torch.bfloat16: dict(rtol=2e-2, atol=2e-3), torch.float16: dict(rtol=2e-3, atol=1e-4)}
 
 
-@pytest.fixture
-def interpret(monkeypatch, tmp_path):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("FLEETC_CACHE_DIR", str(tmp_path))
-    return tmp_path
-
-
 def test_reference_draws_exactly_what_tl_rand_draws():
     """tl.rand itself only runs interpreted when TRITON_INTERPRET is set before triton is imported: a subprocess."""
     script = textwrap.dedent("""

@@ -22,20 +22,12 @@ from fleetc.ir.program import Ref
 from fleetc.ops import fused_gemm
 from fleetc.ops.activations import ACTIVATIONS
 from fleetc.ops.registry import resolve_callable
-from zoo import ZOO
 
 FP32 = dict(rtol=1e-5, atol=1e-5)
 BF16 = dict(rtol=2e-2, atol=3e-2)
 ACTS = [(None, None), ("relu", None), ("gelu", "none"), ("gelu", "tanh"), ("silu", None), ("sigmoid", None),
         ("tanh", None), ("leaky_relu", 0.2), ("scale", 0.5)]
 MASKS = [list(mask) for mask in itertools.product([False, True], repeat=3) if any(mask)]
-
-
-@pytest.fixture
-def interpret(monkeypatch, tmp_path):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("FLEETC_CACHE_DIR", str(tmp_path))
-    return tmp_path
 
 
 def gemm_operands(m: int, k: int, n: int, dtype: torch.dtype = torch.float32, seed: int = 0):

@@ -30,13 +30,6 @@ FUSED = "fleetc.fused_elementwise"
 LOW_PRECISION = {torch.bfloat16: dict(rtol=2e-2, atol=2e-3), torch.float16: dict(rtol=2e-3, atol=1e-4)}
 
 
-@pytest.fixture
-def interpret(monkeypatch, tmp_path):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("FLEETC_CACHE_DIR", str(tmp_path))
-    return tmp_path
-
-
 @functools.lru_cache(maxsize=None)
 def zoo_program(zoo_name: str):
     """The zoo model's training Program compiled with auto fusion alone (no named bn+add+act fusion)."""

@@ -27,13 +27,6 @@ FP32 = dict(rtol=1e-5, atol=1e-5)
 LOW_PRECISION = {torch.bfloat16: dict(rtol=2e-2, atol=2e-2), torch.float16: dict(rtol=2e-3, atol=2e-3)}
 
 
-@pytest.fixture
-def interpret(monkeypatch, tmp_path):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("FLEETC_CACHE_DIR", str(tmp_path))
-    return tmp_path
-
-
 def assert_close_all(got, want, **tol) -> None:
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want)):

@@ -107,9 +107,7 @@ def _run(fn, args, kwargs) -> tuple[Any, list]:
 
 
 @pytest.mark.parametrize("zoo_name", ["mlp", "cnn", "gpt"])
-def test_every_zoo_kernel_matches_its_reference_on_real_inputs(zoo_name, monkeypatch, tmp_path):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("FLEETC_CACHE_DIR", str(tmp_path))
+def test_every_zoo_kernel_matches_its_reference_on_real_inputs(zoo_name, interpret):
     calls, op_types = recorded_calls(zoo_name)
     fused = {t for t in op_types if t.startswith("fleetc.fused")}
     assert fused - WITH_KERNELS <= set(NO_KERNEL), f"{zoo_name}: fused ops without a CUDA kernel"

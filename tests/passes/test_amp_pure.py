@@ -11,7 +11,7 @@ import fleetc
 from conftest import run_side_by_side
 from fleetc.ir.program import VarKind
 from test_amp import amp_strategy, amp_trainer
-from zoo import OPTIMIZERS, ZOO
+from zoo import OPTIMIZERS
 
 
 def pure_strategy(**configs) -> fleetc.DistributedStrategy:

@@ -1,7 +1,6 @@
 """Baseline passes (no-op view removal, DCE) on small before/after fixtures, and the manager's bookkeeping."""
 from __future__ import annotations
 
-import io
 
 import pytest
 import torch
