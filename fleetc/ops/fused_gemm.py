@@ -15,15 +15,16 @@ aten = torch.ops.aten
              kernels={"cuda": "fleetc.codegen.triton.gemm:fused_gemm_epilogue"},
              kernel_sources="fleetc.codegen.triton.gemm:fused_gemm_epilogue_sources")
 def fused_gemm_epilogue(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor, out_shape: list | None,
-                        act: str | None, param: Any) -> tuple[torch.Tensor, torch.Tensor]:
+                        act: str | None, param: Any, keep_pre_act: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """aten: `h = addmm(bias, x, w_t); h = view(h, out_shape)` (when given); `out = <act>(h)` (when given).
 
-    Returns (out, h); the pass keeps `h` only when the backward reads it.
+    Returns (out, h), h None unless `keep_pre_act`: the pass asks for it only when the backward reads it
+    (the grads of gelu, silu and leaky_relu read their input), so the kernel neither allocates nor stores it.
     """
     h = aten.addmm.default(bias, x, w_t)
     if out_shape is not None:
         h = aten.view.default(h, out_shape)
-    return (apply(act, h, param) if act else h), h
+    return (apply(act, h, param) if act else h), (h if keep_pre_act else None)
 
 
 @register_op("fused_gemm_epilogue_grad", "backward of fused_gemm_epilogue: dX, dW and dBias in one op",

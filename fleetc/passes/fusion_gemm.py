@@ -78,14 +78,16 @@ def _match_forward(index: BlockIndex, op: Op) -> Fusion | None:
         (act, param), pre = found, out
         group.append(reader)
         out = reader.outputs[0]
-    outputs = [out, kept(index, group, pre) if act else None]
+    # the act is pre's one forward reader (next_in_chain): any later reader is a backward op, i.e. the act grad
+    pre_act = kept(index, group, pre) if act else None
     return Fusion(group, Op("fused_gemm_epilogue", "fleetc.fused_gemm_epilogue",
-                            (x, w_t, bias, out_shape, act.name if act else None, param), outputs=outputs))
+                            (x, w_t, bias, out_shape, act.name if act else None, param, pre_act is not None),
+                            outputs=[out, pre_act]))
 
 
 def _match_backward(index: BlockIndex, fwd: Op, backward: list[Op]) -> Fusion | str:
     """Classify every backward op of the group: act grad, 2-D view, t, mm (dX or dW), sum + view (dBias)."""
-    x, w_t, _, out_shape, act_name, param = fwd.args
+    x, w_t, _, out_shape, act_name, param, _ = fwd.args
     act = ACTIVATIONS[act_name] if act_name else None
     remaining = list(backward)
 

@@ -58,9 +58,9 @@ def assert_matches_reference(got: tuple, want: tuple, dtype: torch.dtype, what: 
                                    msg=lambda m: f"{what} output {i}: {m}")
 
 
-def check_forward(x, w_t, bias, out_shape, act, param) -> tuple:
-    got = gemm.fused_gemm_epilogue(x, w_t, bias, out_shape, act, param)
-    want = fused_gemm.fused_gemm_epilogue(*upcast((x, w_t, bias)), out_shape, act, param)
+def check_forward(x, w_t, bias, out_shape, act, param, keep_pre_act=True) -> tuple:
+    got = gemm.fused_gemm_epilogue(x, w_t, bias, out_shape, act, param, keep_pre_act)
+    want = fused_gemm.fused_gemm_epilogue(*upcast((x, w_t, bias)), out_shape, act, param, keep_pre_act)
     assert_matches_reference(got, want, x.dtype, f"forward {act} {param}")
     return got
 
@@ -83,11 +83,35 @@ def test_forward_and_backward_match_the_reference_for_every_activation(interpret
         check_backward(dout, saved_for(act, out, h), x, w_t, act, param, [True, True, True])
 
 
+@pytest.mark.parametrize("act, param, name", [(None, None, "fused_gemm_bias"), ("relu", None, "fused_gemm_bias_relu"),
+                                              ("gelu", "tanh", "fused_gemm_bias_gelu_tanh")])
+def test_pre_activation_not_kept_is_neither_allocated_nor_stored(interpret, act, param, name):
+    x, w_t, bias = gemm_operands(6, 7, 3)
+    out, h = check_forward(x, w_t, bias, [2, 3, 3], act, param, keep_pre_act=False)
+    assert h is None
+    launcher = gemm.forward_launcher(x, w_t, bias, [2, 3, 3], act, param, False)
+    assert launcher.outputs == [((2, 3, 3), torch.float32)]  # the one tensor the launch allocates
+    kernel = gemm.forward_kernel(act, param, False)
+    assert kernel.name == name and "h_out" not in kernel.source and kernel.source.count("tl.store(") == 1
+
+
+def test_kept_pre_activation_has_a_kernel_of_its_own(interpret):
+    kept, dropped = gemm.forward_kernel("gelu", "none", True), gemm.forward_kernel("gelu", "none", False)
+    assert (kept.name, dropped.name) == ("fused_gemm_bias_gelu_keep_pre_act", "fused_gemm_bias_gelu")
+    assert kept.source.count("tl.store(") == 2 and kept.source_hash != dropped.source_hash
+    x, w_t, bias = gemm_operands(6, 7, 3)
+    assert len(gemm.forward_launcher(x, w_t, bias, None, "gelu", "none", True).outputs) == 2
+    # without an activation the pre-activation is the output itself: one store, one allocation, whether kept or not
+    assert gemm.forward_kernel(None, None, True).source == gemm.forward_kernel(None, None, False).source
+    out, h = check_forward(x, w_t, bias, None, None, None, keep_pre_act=True)
+    assert out is h
+
+
 @pytest.mark.parametrize("output_mask", MASKS, ids=lambda mask: "".join("1" if b else "0" for b in mask))
 @pytest.mark.parametrize("act, param", [(None, None), ("gelu", "tanh"), ("relu", None)])
 def test_backward_computes_exactly_the_masked_outputs(interpret, act, param, output_mask):
     x, w_t, bias = gemm_operands(5, 7, 3)
-    out, h = fused_gemm.fused_gemm_epilogue(x, w_t, bias, [5, 1, 3], act, param)
+    out, h = fused_gemm.fused_gemm_epilogue(x, w_t, bias, [5, 1, 3], act, param, True)
     check_backward(torch.randn(out.shape), saved_for(act, out, h), x, w_t, act, param, output_mask)
 
 
@@ -155,6 +179,10 @@ def test_zoo_gemm_ops_run_their_kernels(interpret):
                 continue
             checked[zoo_name] = checked.get(zoo_name, 0) + 1
     assert checked == {"mlp": 6, "gpt": 16, "unused_param": 2}  # one forward and one backward op per Linear
+    # gelu's grad reads the pre-activation; no other zoo activation's does
+    assert {op.args[4::2] for zoo_name in ("mlp", "gpt", "unused_param")  # (act, keep_pre_act)
+            for _, op in zoo_gemm_program(zoo_name).walk_ops() if op.type == "fleetc.fused_gemm_epilogue"} == {
+        (None, False), ("relu", False), ("gelu", True), ("tanh", False)}
 
 
 def test_kernel_names_and_sources_per_op(interpret):
@@ -166,13 +194,17 @@ def test_kernel_names_and_sources_per_op(interpret):
                                     "fused_gemm_bias_relu_grad_dx", "fused_gemm_bias_relu_grad_dw_dbias",
                                     "fused_gemm_bias_relu_grad_dw_dbias"])
     assert gemm.grad_dw_dbias_kernel("gelu", "tanh", False, True).name == "fused_gemm_bias_gelu_tanh_grad_dbias"
-    assert gemm.forward_kernel("leaky_relu", 0.2).source_hash != gemm.forward_kernel("leaky_relu", 0.1).source_hash
+    assert (gemm.forward_kernel("leaky_relu", 0.2, False).source_hash
+            != gemm.forward_kernel("leaky_relu", 0.1, False).source_hash)
+    gpt_forward = [k.name for k in program_kernels(zoo_gemm_program("gpt")) if "_grad" not in k.name]
+    assert sorted(gpt_forward) == ["fused_gemm_bias"] * 6 + ["fused_gemm_bias_gelu_keep_pre_act"] * 2
 
 
 def test_kernels_are_cached_on_disk_by_source_hash(interpret):
     x, w_t, bias = gemm_operands(5, 7, 3)
-    gemm.fused_gemm_epilogue(x, w_t, bias, None, "leaky_relu", 0.375)  # a slope no other test loads in this process
-    kernel = gemm.forward_kernel("leaky_relu", 0.375)
+    # a slope no other test loads in this process
+    gemm.fused_gemm_epilogue(x, w_t, bias, None, "leaky_relu", 0.375, False)
+    kernel = gemm.forward_kernel("leaky_relu", 0.375, False)
     files = sorted(cache_dir().glob("fused_gemm_*.py"))
     assert [f.name for f in files] == [f"fused_gemm_bias_leaky_relu_{kernel.source_hash}.py"]
     assert files[0].read_text() == kernel.source
@@ -180,8 +212,8 @@ def test_kernels_are_cached_on_disk_by_source_hash(interpret):
 
 def test_cpu_tensors_take_the_reference_path(interpret):
     x, w_t, bias = gemm_operands(5, 7, 3)
-    out, h = resolve_callable("fleetc.fused_gemm_epilogue")(x, w_t, bias, None, "relu", None)
-    assert torch.equal(out, torch.relu(torch.addmm(bias, x, w_t)))
+    out, h = resolve_callable("fleetc.fused_gemm_epilogue")(x, w_t, bias, None, "relu", None, False)
+    assert torch.equal(out, torch.relu(torch.addmm(bias, x, w_t))) and h is None
     assert not cache_dir().exists()  # no kernel was generated for CPU tensors
 
 
@@ -220,7 +252,9 @@ def test_every_gemm_kernel_compiles_to_cubin_without_a_gpu(monkeypatch, tmp_path
 
     x, w_t, bias = (t.to(device="meta") for t in gemm_operands(70, 45, 66, dtype))
     for act, param in [(None, None), ("gelu", "tanh"), ("relu", None)]:
-        compile_launcher(gemm.forward_launcher(x, w_t, bias, [7, 10, 66], act, param), (x, w_t, bias))
+        for keep_pre_act in (False, True) if act == "gelu" else (False,):
+            compile_launcher(gemm.forward_launcher(x, w_t, bias, [7, 10, 66], act, param, keep_pre_act),
+                             (x, w_t, bias))
         dout = torch.empty(70, 66, dtype=dtype, device="meta")
         g_inputs = (dout, dout) if act else (dout,)
         for mask in ((True, True, True), (False, False, True)):
@@ -237,11 +271,14 @@ def test_cuda_launch_matches_the_reference(monkeypatch, tmp_path, dtype):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     x, w_t, bias = (t.cuda() for t in gemm_operands(70, 45, 66, dtype))
     for act, param in ACTS:
-        got = resolve_callable("fleetc.fused_gemm_epilogue")(x, w_t, bias, [7, 10, 66], act, param)
-        want = fused_gemm.fused_gemm_epilogue(*upcast((x.cpu(), w_t.cpu(), bias.cpu())), [7, 10, 66], act, param)
-        assert_matches_reference(tuple(t.cpu() for t in got), want, dtype, f"cuda forward {act}")
+        for keep_pre_act in (False, True):
+            got = resolve_callable("fleetc.fused_gemm_epilogue")(x, w_t, bias, [7, 10, 66], act, param, keep_pre_act)
+            want = fused_gemm.fused_gemm_epilogue(*upcast((x.cpu(), w_t.cpu(), bias.cpu())), [7, 10, 66], act,
+                                                  param, keep_pre_act)
+            assert_matches_reference(tuple(None if t is None else t.cpu() for t in got), want, dtype,
+                                     f"cuda forward {act} keep_pre_act={keep_pre_act}")
         dout = torch.randn(7, 10, 66, device="cuda").to(dtype)
-        saved = saved_for(act, *got)
+        saved = saved_for(act, *got)  # from the kept pre-activation (the last forward)
         got = resolve_callable("fleetc.fused_gemm_epilogue_grad")(dout, saved, x, w_t, act, param, [True] * 3)
         want = fused_gemm.fused_gemm_epilogue_grad(*upcast((dout.cpu(), None if saved is None else saved.cpu(),
                                                             x.cpu(), w_t.cpu())), act, param, [True] * 3)

@@ -1,6 +1,8 @@
 """Gemm epilogue fusion: counts on the zoo (2-D and leading batch dims), references, unfusable backward reported."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,9 +13,11 @@ from zoo import ZOO, ZooEntry
 import fleetc
 from conftest import run_side_by_side
 from fleetc.ir.program import Op, OpRole, Ref, Var
+from fleetc.ir.serialize import program_from_json, program_to_json
 from fleetc.ir.verifier import verify
 from fleetc.ops.fused_gemm import fused_gemm_epilogue, fused_gemm_epilogue_grad
 from fleetc.passes.fusion_gemm import FuseGemmEpilogue
+from fleetc.runtime.pycodegen import generate_step
 
 aten = torch.ops.aten
 
@@ -33,8 +37,49 @@ def test_mlp_each_linear_becomes_one_forward_and_one_backward_op():
     assert op_types(run.trainer.eval_program).count("fleetc.fused_gemm_epilogue") == 3
 
 
+@functools.lru_cache(maxsize=None)
+def gpt_run():
+    return run_side_by_side("gpt", "sgd", steps=2, strategy=fusion_strategy("fuse_gemm_epilogue"))
+
+
+def pre_activations(program) -> list[tuple]:
+    """(module path, act, keep_pre_act, the pre-activation output) of each fused gemm forward op."""
+    return [(op.module_path, op.args[4], op.args[6], op.outputs[1]) for _, op in program.walk_ops()
+            if op.type == "fleetc.fused_gemm_epilogue"]
+
+
+def test_pre_activation_is_kept_exactly_when_the_backward_reads_it():
+    """relu's grad reads relu's output, gelu's its input; eval Programs have no backward and keep nothing."""
+    mlp = run_side_by_side("mlp", "sgd", steps=1, strategy=fusion_strategy("fuse_gemm_epilogue")).trainer
+    assert pre_activations(mlp.program) == [("fc1", "relu", False, None), ("fc2", "relu", False, None),
+                                            ("out", None, False, None)]
+    run = gpt_run()
+    fused = pre_activations(run.trainer.program)
+    assert [keep for _, act, keep, _ in fused] == [act == "gelu" for _, act, _, _ in fused]
+    assert {path for path, act, _, _ in fused if act} == {"layers.0.fc", "layers.1.fc"}
+    for path, _, keep, pre in fused:
+        if keep:
+            [reader] = [op for _, op in run.trainer.program.walk_ops() if Ref(pre) in op.args]
+            assert reader.type == "fleetc.fused_gemm_epilogue_grad" and reader.args[1] == Ref(pre), path
+    (tokens, _), _ = ZOO["gpt"].make_batch(torch.Generator().manual_seed(5))
+    run.eager_model.eval(), run.compiled_model.eval()  # no dropout: both compute the same function
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(run.trainer(tokens), run.eager_model(tokens), rtol=1e-5, atol=1e-5)
+    finally:
+        run.eager_model.train(), run.compiled_model.train()
+    assert [keep for _, _, keep, _ in pre_activations(run.trainer.eval_program)] == [False] * 8
+
+
+def test_fused_gemm_program_round_trips_through_json():
+    program = gpt_run().trainer.program
+    back = program_from_json(program_to_json(program))
+    assert back == program and pre_activations(back) == pre_activations(program)
+    assert generate_step(back).source == generate_step(program).source
+
+
 def test_gpt_linears_with_leading_batch_dims_fuse_through_the_reshape():
-    run = run_side_by_side("gpt", "sgd", steps=2, strategy=fusion_strategy("fuse_gemm_epilogue"))
+    run = gpt_run()
     run.assert_same()
     # forward: addmm + view (+ gelu in the MLPs); backward: 6 ops + view (+ gelu grad) → one op each: 10 + 50
     assert stats(run.trainer, "fuse_gemm_epilogue") == {"forward_groups": 8, "backward_groups": 8,
@@ -58,7 +103,9 @@ def test_gemm_references_match_the_unfused_aten_sequence(act, param, out_shape):
     h = aten.addmm(bias, x, aten.t(w))
     h = aten.view(h, out_shape) if out_shape else h
     out = {None: h, "relu": aten.relu(h), "gelu": aten.gelu(h, approximate=param or "none")}[act]
-    assert_close_all(fused_gemm_epilogue(x, aten.t(w), bias, out_shape, act, param), (out, h), rtol=0, atol=0)
+    assert_close_all(fused_gemm_epilogue(x, aten.t(w), bias, out_shape, act, param, True), (out, h), rtol=0, atol=0)
+    assert_close_all(fused_gemm_epilogue(x, aten.t(w), bias, out_shape, act, param, False), (out, None),
+                     rtol=0, atol=0)
 
     dout = torch.randn(out.shape, generator=g)
     saved = {None: None, "relu": out, "gelu": h}[act]

@@ -1,11 +1,12 @@
 """Triton kernels of the gemm epilogue ops: tiled `tl.dot` matmuls with bias, activation and its grad fused in.
 
 Forward (`fused_gemm_bias_<act>`): one program per (BLOCK_M × BLOCK_N) tile of `x @ w_t`, looping over K;
-the bias add and the activation run on the fp32 accumulator before the tile is stored (the pre-activation
-`h` is stored too when there is an activation). Backward: the activation grad is computed from `dout`
-(and the saved `h` or `out`) as each tile of `g` is loaded, so `g` is never written to memory;
-`..._grad_dx` computes `g @ w_t.T` and `..._grad_dw_dbias` computes `g.T @ x` while summing the same
-tiles of `g` over M for dBias (the programs of the first K block store it), so dBias costs no extra read.
+the bias add and the activation run on the fp32 accumulator before the tile is stored; the pre-activation
+`h` is stored too only when the op keeps it for the backward (`..._keep_pre_act`). Backward: the activation
+grad is computed from `dout` (and the saved `h` or `out`) as each tile of `g` is loaded, so `g` is never
+written to memory; `..._grad_dx` computes `g @ w_t.T` and `..._grad_dw_dbias` computes `g.T @ x` while
+summing the same tiles of `g` over M for dBias (the programs of the first K block store it), so dBias costs
+no extra read.
 
 Operands are read through their strides (`w_t` is usually the transposed view of a weight); sizes,
 strides and block sizes are `tl.constexpr` arguments, as in the elementwise kernels, so binaries are
@@ -73,10 +74,16 @@ def _constexprs(*names: str) -> list[str]:
     return [f"{n}: tl.constexpr" for n in names]
 
 
+def _stores_pre_act(act: str | None, keep_pre_act: bool) -> bool:
+    """Whether the forward kernel writes `h` besides `out` (without an act, `h` is `out`)."""
+    return bool(act) and keep_pre_act
+
+
 @functools.lru_cache(maxsize=None)
-def forward_kernel(act: str | None, param: Any) -> KernelSource:
-    """`x[M,K] @ w_t[K,N] + bias`, then `act`: stores `out` (and `h`, the pre-activation, when there is an act)."""
-    outputs = ["out", "h_out"] if act else ["out"]
+def forward_kernel(act: str | None, param: Any, keep_pre_act: bool) -> KernelSource:
+    """`x[M,K] @ w_t[K,N] + bias`, then `act`: stores `out` (and `h`, the pre-activation, when it is kept)."""
+    store_h = _stores_pre_act(act, keep_pre_act)
+    outputs = ["out", "h_out"] if store_h else ["out"]
     params = ["x", "w_t", "bias", *outputs, *_constexprs("M", "N", "K", "X_S0", "X_S1", "W_S0", "W_S1", "BIAS_S0")]
     body = ["rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]",
             "cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]",
@@ -88,13 +95,11 @@ def forward_kernel(act: str | None, param: Any) -> KernelSource:
             "    acc += _dot(a, b, DOT_IN_FP32, PRECISION)",
             "h = acc + tl.load(bias + cols * BIAS_S0, mask=cols < N, other=0.0).to(tl.float32)",
             "mask = (rows < M) & (cols < N)"]
-    if act:
-        body += ["tl.store(h_out + rows * N + cols, h.to(h_out.dtype.element_ty), mask=mask)",
-                 f"tl.store(out + rows * N + cols, {activation_expression(act, param, 'h')}.to(out.dtype.element_ty), "
-                 "mask=mask)"]
-    else:
-        body.append("tl.store(out + rows * N + cols, h.to(out.dtype.element_ty), mask=mask)")
-    return _source(_base_name(act, param), params + _TILE_PARAMS, body)
+    if store_h:
+        body.append("tl.store(h_out + rows * N + cols, h.to(h_out.dtype.element_ty), mask=mask)")
+    result = activation_expression(act, param, "h") if act else "h"
+    body.append(f"tl.store(out + rows * N + cols, {result}.to(out.dtype.element_ty), mask=mask)")
+    return _source(_base_name(act, param) + ("_keep_pre_act" if store_h else ""), params + _TILE_PARAMS, body)
 
 
 def _reads_saved(act: str | None) -> bool:
@@ -201,16 +206,17 @@ def _output_specs(produced: tuple) -> list[tuple[tuple[int, ...], torch.dtype]]:
 
 
 def forward_launcher(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor, out_shape: list | None,
-                     act: str | None, param: Any) -> Launcher:
+                     act: str | None, param: Any, keep_pre_act: bool) -> Launcher:
     """The forward kernel bound to operands like these (meta tensors will do); outputs as the reference's."""
     (m, k), n = x.shape, w_t.shape[1]
-    out, h = fused_gemm.fused_gemm_epilogue(*_metas((x, w_t, bias)), out_shape, act, param)
+    out, h = fused_gemm.fused_gemm_epilogue(*_metas((x, w_t, bias)), out_shape, act, param, keep_pre_act)
     sizes = block_sizes(("M", m), ("N", n), ("K", k))
     constexprs = {"M": m, "N": n, "K": k, "X_S0": x.stride(0), "X_S1": x.stride(1), "W_S0": w_t.stride(0),
                   "W_S1": w_t.stride(1), "BIAS_S0": bias.stride(0), **_dot_settings(), **sizes}
     grid = (_cdiv(m, sizes["BLOCK_M"]), _cdiv(n, sizes["BLOCK_N"]))
-    return Launcher(load_kernel(forward_kernel(act, param)), grid, constexprs,
-                    _output_specs((out, h) if act else (out,)))
+    store_h = _stores_pre_act(act, keep_pre_act)
+    return Launcher(load_kernel(forward_kernel(act, param, keep_pre_act)), grid, constexprs,
+                    _output_specs((out, h) if store_h else (out,)))
 
 
 def _grad_strides_values(g_inputs: tuple[torch.Tensor, ...]) -> dict[str, int]:
@@ -261,13 +267,16 @@ def _cached(key: tuple, build: Callable[[], Any]) -> Any:
 
 
 def fused_gemm_epilogue(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor, out_shape: list | None,
-                        act: str | None, param: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """`fleetc.fused_gemm_epilogue` on CUDA tensors (any tensors under TRITON_INTERPRET=1): returns (out, h)."""
+                        act: str | None, param: Any, keep_pre_act: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`fleetc.fused_gemm_epilogue` on CUDA tensors (any tensors under TRITON_INTERPRET=1): returns (out, h),
+    h None unless `keep_pre_act`."""
     shape = tuple(out_shape) if out_shape is not None else None
-    launcher = _cached(("forward", act, param, shape, _signature(x, w_t, bias)),
-                       lambda: forward_launcher(x, w_t, bias, out_shape, act, param))
+    launcher = _cached(("forward", act, param, keep_pre_act, shape, _signature(x, w_t, bias)),
+                       lambda: forward_launcher(x, w_t, bias, out_shape, act, param, keep_pre_act))
     produced = launcher((x, w_t, bias))
-    return produced if act else (produced, produced)
+    if _stores_pre_act(act, keep_pre_act):
+        return produced
+    return produced, (produced if keep_pre_act else None)  # without an act, the kept pre-activation is `out`
 
 
 def fused_gemm_epilogue_grad(dout: torch.Tensor, saved: torch.Tensor | None, x: torch.Tensor, w_t: torch.Tensor,
@@ -291,8 +300,8 @@ def fused_gemm_epilogue_grad(dout: torch.Tensor, saved: torch.Tensor | None, x: 
 
 def fused_gemm_epilogue_sources(op: Op, inputs: list[Var | None]) -> list[KernelSource]:
     """The forward kernel of a `fleetc.fused_gemm_epilogue` op (for `dump-ir --kernels`)."""
-    _, _, _, _, act, param = op.args
-    return [forward_kernel(act, param)]
+    _, _, _, _, act, param, keep_pre_act = op.args
+    return [forward_kernel(act, param, keep_pre_act)]
 
 
 def fused_gemm_epilogue_grad_sources(op: Op, inputs: list[Var | None]) -> list[KernelSource]:
