@@ -17,7 +17,7 @@ import torch
 
 from fleetc.ir.program import Block, Op, Program, Ref, Var, VarKind
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: fused_gemm_epilogue gained keep_pre_act
 _VERSION_KEY = "fleetc_program"
 # torch singletons stored by their attribute name on the torch module.
 _TORCH_TAGS = {"$dtype": torch.dtype, "$layout": torch.layout, "$memory_format": torch.memory_format}

@@ -11,7 +11,7 @@ from zoo import OPTIMIZERS, ZOO
 
 import fleetc
 from fleetc.ir.program import Op, OpRole, Program, Ref, Var, VarKind
-from fleetc.ir.serialize import from_dict, program_from_json, program_to_json, to_dict
+from fleetc.ir.serialize import FORMAT_VERSION, from_dict, program_from_json, program_to_json, to_dict
 from fleetc.ir.verifier import verify
 from fleetc.runtime.pycodegen import generate_step
 
@@ -112,7 +112,7 @@ def test_json_is_strict_and_tags_special_values() -> None:
         raise AssertionError(f"bare {constant} in JSON output")
 
     data = json.loads(program_to_json(hand_built_program()), parse_constant=reject)
-    assert data["fleetc_program"] == 1
+    assert data["fleetc_program"] == FORMAT_VERSION == 2
     clamp = data["blocks"][0]["ops"][2]
     assert clamp["args"] == [{"$ref": "y"}, {"$float": "-inf"}, {"$float": "inf"}]
     assert data["blocks"][0]["ops"][1]["kwargs"]["dtype"] == {"$dtype": "float32"}
@@ -136,14 +136,14 @@ def test_output_does_not_depend_on_attr_insertion_order() -> None:
     assert program_to_json(a) == program_to_json(b)
 
 
-@pytest.mark.parametrize("version", [2, 0, None])
+@pytest.mark.parametrize("version", [1, 3, None])
 def test_other_format_versions_are_rejected(version: int | None) -> None:
     data = to_dict(hand_built_program())
     if version is None:
         del data["fleetc_program"]
     else:
         data["fleetc_program"] = version
-    with pytest.raises(ValueError, match="format version 1"):
+    with pytest.raises(ValueError, match="format version 2"):
         from_dict(data)
 
 
