@@ -3,7 +3,8 @@
 Runs only in data-parallel Programs (`metadata["data_parallel"]`, stamped by fleet's trainer). The
 producer's result is renamed `<param>@GRAD@LOCAL`; the allreduce's wait defines `<param>@GRAD`
 again, so the optimizer ops and fetches read the averaged gradient without being touched.
-Communicator groups the Program uses are listed in `metadata["collective_groups"]`.
+Communicator groups the Program uses are listed in `metadata["collective_groups"]`. Under gradient
+merge the accumulators are allreduced in its update block instead (allreduce_merged.py).
 """
 from __future__ import annotations
 

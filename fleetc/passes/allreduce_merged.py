@@ -30,6 +30,7 @@ def merged_values(program: Program) -> dict[str, str]:
 
 
 def update_block(program: Program) -> Block:
+    """Gradient merge's conditional update sub-block."""
     return program.blocks[program.metadata["gradient_merge"]["update_block"]]
 
 
