@@ -4,9 +4,10 @@ A bucket's flat buffer is allocated by the Program (`aten.empty`); gradients who
 straight into their slot of it are marked in place (see passes/allreduce_views.py), the others are
 copied into their slot by `fleetc.c_allreduce_start`, which then issues the averaging allreduce on
 the buffer. `fleetc.c_allreduce_wait` waits for it and returns the averaged gradients as views of
-the buffer (no copy back). A synchronous allreduce is a start directly followed by its wait. The
-hierarchical algorithm reduces to each node's first rank, allreduces across nodes, then broadcasts
-inside the node.
+the buffer (no copy back); `fleetc.c_allreduce_wait_into` copies them back into the persistables
+the buffer was filled from (gradient merge's accumulators, allreduced once per k steps). A
+synchronous allreduce is a start directly followed by its wait. The hierarchical algorithm reduces
+to each node's first rank, allreduces across nodes, then broadcasts inside the node.
 """
 from __future__ import annotations
 
@@ -105,6 +106,21 @@ def c_allreduce_start(flat: torch.Tensor, grads: list, in_place: list, group: st
 
 @register_op("c_allreduce_wait", "wait for a bucket's allreduce; the averaged gradients are views of its buffer")
 def c_allreduce_wait(flat: torch.Tensor, pending: PendingAllreduce, shapes: list) -> torch.Tensor | tuple:
+    finish_allreduce(flat, pending)
+    views = bucket_views(flat, shapes)
+    return views[0] if len(views) == 1 else tuple(views)
+
+
+@register_op("c_allreduce_wait_into", "wait for a bucket's allreduce and copy the averages back into the persistables "
+             "it was filled from, in place (gradient merge's accumulators)")
+def c_allreduce_wait_into(flat: torch.Tensor, pending: PendingAllreduce, targets: list) -> None:
+    finish_allreduce(flat, pending)
+    for target, view in zip(targets, bucket_views(flat, [t.shape for t in targets])):
+        target.copy_(view)
+
+
+def finish_allreduce(flat: torch.Tensor, pending: PendingAllreduce) -> None:
+    """Wait for an issued bucket allreduce; after it `flat` holds the average over all ranks."""
     wait_collective(pending.label, pending.work)
     if pending.algorithm == HIERARCHICAL:
         intra, inter = f"intra:{pending.group}", f"inter:{pending.group}"
@@ -113,5 +129,3 @@ def c_allreduce_wait(flat: torch.Tensor, pending: PendingAllreduce, shapes: list
             blocking_collective(pending.label, dist.all_reduce, flat, op=dist.ReduceOp.SUM, group=groups.group(inter))
         blocking_collective(pending.label, dist.broadcast, flat, root, group=groups.group(intra))
         flat.div_(dist.get_world_size())
-    views = bucket_views(flat, shapes)
-    return views[0] if len(views) == 1 else tuple(views)

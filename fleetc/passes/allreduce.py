@@ -3,7 +3,8 @@
 Runs only in data-parallel Programs (`metadata["data_parallel"]`, stamped by fleet's trainer). The
 producer's result is renamed `<param>@GRAD@LOCAL`; the allreduce's wait defines `<param>@GRAD`
 again, so the optimizer ops and fetches read the averaged gradient without being touched.
-Communicator groups the Program uses are listed in `metadata["collective_groups"]`.
+Communicator groups the Program uses are listed in `metadata["collective_groups"]`. Under gradient
+merge the accumulators are allreduced in its update block instead (allreduce_merged.py).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from fleetc.distributed.collectives import FLAT, HIERARCHICAL
 from fleetc.distributed.groups import group_partitions
 from fleetc.errors import StrategyError
 from fleetc.ir.program import Op, OpRole, Program, Ref, Var, VarKind
+from fleetc.passes.allreduce_merged import insert_update_block_allreduces, merged_values, note_moved
 from fleetc.passes.base import PassReport
 
 ALLOC = "aten.empty.memory_format"
@@ -56,7 +58,7 @@ def allreduce_ops(program: Program, grads: list[str], comm: int, algorithm: str,
                              first.dtype, first.device))
     pending = block.add_var(Var(program.unique_name(f"{label}@WORK"), None, "work", first.device))
     attrs = {"op_role": int(OpRole.COLLECTIVE), "provenance": provenance,
-             "module_path": _common_module(program, grads)}
+             "module_path": common_module(program, grads)}
     alloc = Op(program.unique_name(f"{label}_buffer"), ALLOC, (list(flat.shape),),
                {"dtype": first.torch_dtype, "device": torch.device(first.device)}, [flat.name], dict(attrs))
     start = Op(program.unique_name(f"{label}_start"), START,
@@ -76,7 +78,8 @@ def var_numel(var: Var) -> int:
     return numel
 
 
-def _common_module(program: Program, grads: list[str]) -> str:
+def common_module(program: Program, grads: list[str]) -> str:
+    """The module path of the parameters behind `grads` when they share one, else ""."""
     paths = [g.removesuffix(GRAD_SUFFIX).rpartition(".")[0] for g in grads]
     return paths[0] if len(set(paths)) == 1 else ""
 
@@ -107,10 +110,12 @@ class InsertAllreduce:
         block = program.global_block
         grads = gradient_vars(program)
         production_index = {g: i for i, g in enumerate(grads)}
+        merged = merged_values(program)  # gradient merge: its accumulators are allreduced instead, once per k steps
+        per_step = {} if merged else production_index
         ops = []
         for op in block.ops:
             ops.append(op)
-            produced = [g for g in op.defined if g in production_index]
+            produced = [g for g in op.defined if g in per_step]
             for grad in produced:
                 local = block.add_var(Var(grad + LOCAL_SUFFIX, block.vars[grad].shape, block.vars[grad].dtype,
                                           block.vars[grad].device))
@@ -121,6 +126,10 @@ class InsertAllreduce:
                                           self.name))
                 report.count("allreduces")
         block.ops = ops
+        if merged:
+            insert_update_block_allreduces(program, [[g] for g in merged], config.nccl_comm_num, algorithm, self.name)
+            report.count("allreduces", len(merged))
+            note_moved(program, report, len(merged))
         program.metadata["collective_groups"] = group_partitions(
             world, config.nccl_comm_num, config.hierarchical_allreduce_inter_nranks, algorithm == HIERARCHICAL)
         report.changed = bool(grads)

@@ -5,8 +5,9 @@ A bucket closes at `fuse_grad_size_in_MB` or at `fuse_grad_size_in_TFLOPS` gradi
 that field as a count); the first bucket of each dtype closes at `last_comm_group_size_MB`, so the
 first collective starts early in backward. A bucket is issued right after its last gradient is
 produced; buckets go to the `nccl_comm_num` communicators round-robin. An op that reads a gradient
-before its bucket is issued (gradient merge's accumulation) moves down past the bucket's wait, so it
-reads the averaged gradient, as it does without fusion.
+before its bucket is issued (a view of it, say) moves down past the bucket's wait, so it
+reads the averaged gradient, as it does without fusion. Under gradient merge the accumulators'
+allreduces in the update block are bucketed the same way (passes/allreduce_merged.py).
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from typing import Any
 from fleetc.ir.liveness import block_reads
 from fleetc.ir.program import Op, Program
 from fleetc.passes.allreduce import ALLOC, SINGLE_PROCESS, START, WAIT, allreduce_ops, data_parallel_world
+from fleetc.passes.allreduce_merged import insert_update_block_allreduces, merged_values, note_moved, \
+    update_block_allreduces
 from fleetc.passes.base import PassReport
 
 MB = 1 << 20
@@ -106,12 +109,14 @@ class FuseAllreduce:
         if not config.fuse_all_reduce_ops:
             report.skipped_reason = "fuse_all_reduce_ops is off: one allreduce per gradient"
             return program, report
+        self._fuse_update_block(program, config, report)
         block = program.global_block
         starts = [op for op in block.ops if op.type == START]
         waits = {op.args[1].name: op for op in block.ops if op.type == WAIT}
         allocs = {op.outputs[0]: op for op in block.ops if op.type == ALLOC}
         if len(starts) < 2:
-            report.skipped_reason = "fewer than two gradient allreduces: nothing to fuse"
+            if not report.changed:
+                report.skipped_reason = "fewer than two gradient allreduces: nothing to fuse"
             return program, report
         grad_of_start = {s.name: waits[s.outputs[0]].outputs[0] for s in starts}
         order = [(grad_of_start[s.name], block.vars[grad_of_start[s.name]].dtype,
@@ -148,7 +153,24 @@ class FuseAllreduce:
                     waiting.difference_update(new_op.outputs)
         ops.extend(deferred.flush())
         block.ops = ops
-        report.stats["allreduces_before"] = len(starts)
+        report.stats["allreduces_before"] = report.stats.get("allreduces_before", 0) + len(starts)
         report.changed = True
         return program, report
+
+    def _fuse_update_block(self, program: Program, config: Any, report: PassReport) -> None:
+        """Bucket gradient merge's allreduces of its accumulators in the update block, in gradient production order."""
+        starts = update_block_allreduces(program)
+        if len(starts) < 2:
+            return
+        merged = merged_values(program)
+        order = [(value, program.var(value).dtype, program.var(value).nbytes()) for value in merged]
+        buckets = plan_buckets(order, config.fuse_grad_size_in_MB * MB, config.last_comm_group_size_MB * MB,
+                               config.fuse_grad_size_in_TFLOPS)
+        insert_update_block_allreduces(program, [b.grads for b in buckets], config.nccl_comm_num, starts[0].args[4],
+                                       self.name)
+        report.count("buckets", len(buckets))
+        report.count("gradients", len(merged))
+        report.stats["allreduces_before"] = len(starts)
+        note_moved(program, report, len(buckets))
+        report.changed = True
 

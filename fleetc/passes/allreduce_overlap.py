@@ -11,6 +11,7 @@ from typing import Any
 from fleetc.ir.liveness import block_reads
 from fleetc.ir.program import Op, Program
 from fleetc.passes.allreduce import SINGLE_PROCESS, WAIT, data_parallel_world
+from fleetc.passes.allreduce_merged import skip_reason as merged_skip_reason
 from fleetc.passes.base import PassReport
 
 
@@ -38,4 +39,6 @@ class OverlapAllreduce:
             report.count("waits_moved")
         block.ops = [op for i in range(len(rest) + 1) for op in (*before.get(i, ()), *rest[i:i + 1])]
         report.changed = bool(waits)
+        if not waits:
+            report.skipped_reason = merged_skip_reason(program) or "the Program has no gradient allreduces"
         return program, report

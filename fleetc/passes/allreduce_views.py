@@ -22,6 +22,7 @@ from fleetc.ir.program import Op, OpRole, Program, Ref, Var, VarKind
 from fleetc.ops.registry import resolve_callable
 from fleetc.passes.allreduce import (GRAD_SUFFIX, LOCAL_SUFFIX, SINGLE_PROCESS, START, data_parallel_world,
                                      var_numel)
+from fleetc.passes.allreduce_merged import skip_reason as merged_skip_reason
 from fleetc.passes.base import PassReport
 
 SLOT = "aten.as_strided.default"
@@ -167,7 +168,7 @@ class AllreduceViews:
             report.notes.append(f"copied {len(names)} gradient(s) into the buffer: {reason} ({', '.join(names)})")
         report.changed = bool(report.stats.get("in_place"))
         if not report.stats:
-            report.skipped_reason = "the Program has no gradient allreduces"
+            report.skipped_reason = merged_skip_reason(program) or "the Program has no gradient allreduces"
         elif not report.changed:
             report.skipped_reason = "no gradient could be written into its bucket buffer in place (see notes)"
         return program, report

@@ -7,8 +7,10 @@ divides the accumulators by k (avg), runs the update ops on them and zeroes them
 
 The update is every op with the optimize or lr_sched role, plus every collective whose results only
 the update reads (a gradient allreduce; a sync-BN allreduce feeds the forward and stays), so
-collectives added before this pass run once per k steps. Any temporary flowing from the per-step
-ops into the update is what gets accumulated, whatever op types produce or read it.
+collectives added before this pass run once per k steps (data-parallel gradient allreduces come
+later: insert_allreduce puts them into the update block, see allreduce_merged.py). Any temporary
+flowing from the per-step ops into the update is what gets accumulated, whatever op types produce
+or read it.
 `program.metadata["gradient_merge"]` names the update block and the accumulators for later passes.
 """
 from __future__ import annotations
@@ -110,7 +112,7 @@ class _Builder:
 
 class GradientMerge:
     name = "gradient_merge"
-    summary = "accumulate gradients every step; update (and allreduce) in a conditional block every k_steps steps"
+    summary = "accumulate gradients every step; update in a conditional block every k_steps steps"
     reads: tuple[str, ...] = ("gradient_merge", "gradient_merge_configs.k_steps", "gradient_merge_configs.avg")
 
     def run(self, program: Program, config: Any) -> tuple[Program, PassReport]:

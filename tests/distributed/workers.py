@@ -52,10 +52,12 @@ def train(rank: int, world: int, config: dict) -> dict:
     trainer = fleetc.compile(model, optimizer=opt, loss_fn=entry.loss_fn, verify=rank == 0)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     losses = [trainer.step(*shard(batch, rank, world)) for batch in global_batches(config["zoo"], config["steps"])]
-    ops = [op.type for _, op in trainer.program.walk_ops()]
+    program = trainer.program
+    starts = [block.idx for block, op in program.walk_ops() if op.type == "fleetc.c_allreduce_start"]
     return {"initial": initial, "losses": losses, "state": model.state_dict(),
-            "collectives": ops.count("fleetc.c_allreduce_start"), "report": trainer.report().stats,
-            "groups": trainer.program.metadata["collective_groups"]}
+            "collectives": len(starts), "start_blocks": sorted(set(starts)), "report": trainer.report().stats,
+            "update_block": program.metadata.get("gradient_merge", {}).get("update_block"),
+            "groups": program.metadata["collective_groups"]}
 
 
 def train_eagerly(rank: int, world: int, steps: int) -> dict:

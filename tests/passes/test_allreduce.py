@@ -145,15 +145,3 @@ def test_sync_batch_norm_replaces_training_batch_norms_and_their_backwards(progr
     _, no_bn = _run(programs["mlp"], sync_batch_norm=True)
     assert no_bn["sync_batch_norm"].report.skipped_reason == "the Program has no training-mode batch norm"
 
-
-def test_gradient_merge_then_allreduce_keeps_the_program_valid(programs):
-    program, history = _run(programs["mlp"], gradient_merge=True, gradient_merge_configs={"k_steps": 2})
-    assert history["gradient_merge"].report.changed and _types(program).count(START) == 1
-    assert history["insert_allreduce"].report.stats == {"allreduces": 6}
-    # The merge accumulates the averaged gradients: each accumulate waits for its bucket, as without fusion.
-    ops = program.global_block.ops
-    wait = next(i for i, op in enumerate(ops) if op.type == WAIT)
-    accumulates = [(i, op) for i, op in enumerate(ops) if op.type == "fleetc.accumulate"]
-    assert len(accumulates) == 6 and all(i > wait and op.args[1].name.endswith("@GRAD") for i, op in accumulates)
-    # 5 accumulates (fc1.bias's already follows its bucket) and 3 dead `aten.t` views of weight gradients
-    assert history["fuse_all_reduce_ops"].report.stats["ops_deferred"] == 8
