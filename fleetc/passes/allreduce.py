@@ -17,14 +17,10 @@ from fleetc.distributed.groups import group_partitions
 from fleetc.errors import StrategyError
 from fleetc.ir.program import Op, OpRole, Program, Ref, Var, VarKind
 from fleetc.passes.allreduce_merged import insert_update_block_allreduces, merged_values, note_moved
+from fleetc.passes.allreduce_common import (ALLOC, GRAD_SUFFIX, LOCAL_SUFFIX, SINGLE_PROCESS, START, WAIT,
+                                            common_module, var_numel)
 from fleetc.passes.base import PassReport
 
-ALLOC = "aten.empty.memory_format"
-START = "fleetc.c_allreduce_start"
-WAIT = "fleetc.c_allreduce_wait"
-SINGLE_PROCESS = "single process: no collectives needed"
-GRAD_SUFFIX = "@GRAD"
-LOCAL_SUFFIX = "@LOCAL"
 
 
 def data_parallel_world(program: Program) -> int:
@@ -68,20 +64,6 @@ def allreduce_ops(program: Program, grads: list[str], comm: int, algorithm: str,
               (Ref(flat.name), Ref(pending.name), [list(block.vars[g].shape) for g in grads]), {}, list(grads),
               dict(attrs))
     return alloc, start, wait
-
-
-def var_numel(var: Var) -> int:
-    """Elements of a Var of static shape."""
-    numel = 1
-    for d in var.shape:
-        numel *= d
-    return numel
-
-
-def common_module(program: Program, grads: list[str]) -> str:
-    """The module path of the parameters behind `grads` when they share one, else ""."""
-    paths = [g.removesuffix(GRAD_SUFFIX).rpartition(".")[0] for g in grads]
-    return paths[0] if len(set(paths)) == 1 else ""
 
 
 def algorithm_for(config: Any, world_size: int) -> str:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from fleetc.ir.program import Block, Op, OpRole, Program, Ref, Var
-from fleetc.passes import allreduce  # module access: allreduce.py imports this module back
+from fleetc.passes import allreduce_common as common
 from fleetc.passes.base import PassReport
 
 WAIT_INTO = "fleetc.c_allreduce_wait_into"
@@ -38,7 +38,7 @@ def update_block_allreduces(program: Program) -> list[Op]:
     """The bucket start ops in the update block, in order."""
     if "gradient_merge" not in program.metadata:
         return []
-    return [op for op in update_block(program).ops if op.type == allreduce.START]
+    return [op for op in update_block(program).ops if op.type == common.START]
 
 
 def insert_update_block_allreduces(program: Program, buckets: list[list[str]], nccl_comm_num: int, algorithm: str,
@@ -51,14 +51,14 @@ def insert_update_block_allreduces(program: Program, buckets: list[list[str]], n
     accumulator = merged_values(program)
     kept = []
     for op in block.ops:
-        if op.type in (allreduce.ALLOC, allreduce.START, WAIT_INTO) and OpRole.COLLECTIVE in op.role:
+        if op.type in (common.ALLOC, common.START, WAIT_INTO) and OpRole.COLLECTIVE in op.role:
             for name in op.outputs:
                 block.vars.pop(name, None)  # the buffer and the work handle; accumulators live in the global block
         else:
             kept.append(op)
     new_ops = []
     for index, grads in enumerate(buckets):
-        new_ops += _bucket_ops(program, block, [accumulator[g] for g in grads], allreduce.common_module(program, grads),
+        new_ops += _bucket_ops(program, block, [accumulator[g] for g in grads], common.common_module(program, grads),
                                index % nccl_comm_num, algorithm, f"merged_bucket{index}", provenance)
     block.ops = new_ops + kept
 
@@ -67,14 +67,14 @@ def _bucket_ops(program: Program, block: Block, accumulators: list[str], module_
                 algorithm: str, label: str, provenance: str) -> list[Op]:
     """Allocate the bucket's buffer, copy the accumulators in and issue the allreduce, wait and copy back."""
     first = program.var(accumulators[0])
-    numel = sum(allreduce.var_numel(program.var(a)) for a in accumulators)
+    numel = sum(common.var_numel(program.var(a)) for a in accumulators)
     flat = block.add_var(Var(program.unique_name(f"{label}@FLAT"), (numel,), first.dtype, first.device))
     pending = block.add_var(Var(program.unique_name(f"{label}@WORK"), None, "work", first.device))
     attrs = {"op_role": int(OpRole.COLLECTIVE), "provenance": provenance, "module_path": module_path}
     return [
-        Op(program.unique_name(f"{label}_buffer"), allreduce.ALLOC, ([numel],),
+        Op(program.unique_name(f"{label}_buffer"), common.ALLOC, ([numel],),
            {"dtype": first.torch_dtype, "device": torch.device(first.device)}, [flat.name], dict(attrs)),
-        Op(program.unique_name(f"{label}_start"), allreduce.START, (Ref(flat.name), [Ref(a) for a in accumulators],
+        Op(program.unique_name(f"{label}_start"), common.START, (Ref(flat.name), [Ref(a) for a in accumulators],
                                                          [False] * len(accumulators), comm, algorithm, label),
            {}, [pending.name], dict(attrs)),
         Op(program.unique_name(f"{label}_wait"), WAIT_INTO, (Ref(flat.name), Ref(pending.name),
