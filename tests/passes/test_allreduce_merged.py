@@ -1,7 +1,6 @@
 """Gradient merge under data parallel: merged gradients are allreduced once per k steps, inside the update block."""
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
@@ -9,14 +8,13 @@ import torch
 import fleetc
 from fleetc.distributed import collectives
 from fleetc.distributed.plan import collective_plan
-from fleetc.distributed.trainer import DataParallelTrainer
 from fleetc.ir.program import OpRole, Program
 from fleetc.ops.registry import resolve_callable
 from fleetc.passes.allreduce import START
 from fleetc.passes.allreduce_merged import WAIT_INTO
 from passes.test_allreduce import _captured, _run
-from passes.test_allreduce_views import _Done, one_rank_transport  # noqa: F401  (a fixture)
-from zoo import OPTIMIZERS, ZOO
+from passes.dp_helpers import _Done, one_rank_transport, simulated_rank  # noqa: F401  (a fixture)
+from zoo import ZOO
 
 MERGE = {"gradient_merge": True, "gradient_merge_configs": {"k_steps": 2}}
 
@@ -81,16 +79,10 @@ def test_buckets_follow_the_plain_strategy_fields(programs):
 
 def test_two_rank_program_trains_like_eager_gradient_merge_and_communicates_every_k_steps(one_rank_transport):
     entry = ZOO["mlp"]
-    torch.manual_seed(0)
-    model = entry.make_model()
-    eager = copy.deepcopy(model)
-    eager_opt = OPTIMIZERS["adamw"](eager.parameters())
     strategy = fleetc.DistributedStrategy()
     strategy.gradient_merge, strategy.gradient_merge_configs = True, {"k_steps": 2}
     strategy.fuse_grad_size_in_TFLOPS = 4  # two buckets
-    trainer = DataParallelTrainer(model, strategy, optimizer=OPTIMIZERS["adamw"](model.parameters()),
-                                  loss_fn=entry.loss_fn, verify=True)
-    trainer.world_size = 2  # compile as one of two ranks; the identity transport stands in for the other rank
+    eager, eager_opt, trainer = simulated_rank("mlp", "adamw", strategy)
     g = torch.Generator().manual_seed(1)
     for step in range(4):
         (x, y), _ = entry.make_batch(g)
@@ -103,7 +95,7 @@ def test_two_rank_program_trains_like_eager_gradient_merge_and_communicates_ever
         torch.testing.assert_close(trainer.step(x, y), loss.detach(), rtol=1e-5, atol=1e-6)
         assert len(one_rank_transport) == 2 * ((step + 1) // 2)  # two buckets, issued in update steps only
     for name, value in eager.state_dict().items():
-        torch.testing.assert_close(model.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(trainer.model.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
     for flat, accumulators, in_place in one_rank_transport:  # the buffer is a copy of the accumulators
         assert not any(in_place)
         assert all(a.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr() for a in accumulators)

@@ -1,8 +1,6 @@
 """Gradient producers write into their bucket's flat buffer: report counts, no-copy proof, fallbacks, out kernels."""
 from __future__ import annotations
 
-import copy
-import dataclasses
 import pathlib
 
 import pytest
@@ -11,18 +9,17 @@ import torchgen
 
 import fleetc
 from conftest import eager_step
-from fleetc.distributed import collectives, trainer as dp_trainer
-from fleetc.distributed.trainer import DataParallelTrainer
+from fleetc.distributed import collectives
 from fleetc.ir.liveness import view_vars
 from fleetc.ir.program import Op, OpRole, Ref, Var
 from fleetc.ir.verifier import verify
-from fleetc.ops import registry
 from fleetc.ops.registry import resolve_callable
 from fleetc.passes.allreduce import START
 from fleetc.passes.allreduce_views import OUT_KERNELS, SLOT, AllreduceViews
 from fleetc.strategy import resolve_strategy
+from passes.dp_helpers import one_rank_transport, simulated_rank  # noqa: F401  (a fixture)
 from passes.test_allreduce import _captured, _run
-from zoo import OPTIMIZERS, ZOO
+from zoo import ZOO
 
 
 @pytest.fixture(scope="module")
@@ -73,45 +70,12 @@ def test_single_process_and_unfused_programs(programs):
     assert [op.args[2] for op in program.global_block.ops if op.type == START] == [[True]] * 6
 
 
-class _Done:
-    """A finished collective in a world of one rank (averaging over one rank changes nothing)."""
-
-    def wait(self, timeout):
-        return True
-
-
-@pytest.fixture
-def one_rank_transport(monkeypatch):
-    """Data-parallel Programs (world size 2 as compiled) run in this process with an identity allreduce.
-
-    The start op's real packing code runs (copies and in-place checks); each start's buffer and gradients are
-    recorded; the real wait op returns the views of the buffer.
-    """
-    issued = []
-
-    def start(flat, grads, in_place, group, algorithm, label):
-        collectives.fill_bucket(flat, grads, in_place, label)
-        issued.append((flat, list(grads), list(in_place)))
-        return collectives.PendingAllreduce(_Done(), label, collectives.FLAT, group)
-
-    monkeypatch.setitem(registry._REGISTRY, START, dataclasses.replace(registry.op_def(START), reference=start))
-    monkeypatch.setattr(dp_trainer.groups, "ensure_groups", lambda partitions: None)
-    monkeypatch.setattr(dp_trainer, "check_plans_agree", lambda program: None)
-    return issued
-
-
 @pytest.mark.parametrize("zoo_name", ["mlp", "cnn", pytest.param("gpt", marks=pytest.mark.slow)])
 def test_gradients_live_in_the_bucket_buffer_and_training_matches_eager(one_rank_transport, zoo_name):
     entry = ZOO[zoo_name]
-    torch.manual_seed(0)
-    model = entry.make_model()
-    eager = copy.deepcopy(model)
-    eager_opt = OPTIMIZERS["momentum"](eager.parameters())
     strategy = fleetc.DistributedStrategy()
     strategy.fuse_grad_size_in_TFLOPS = 4  # several buckets
-    trainer = DataParallelTrainer(model, strategy, optimizer=OPTIMIZERS["momentum"](model.parameters()),
-                                  loss_fn=entry.loss_fn, verify=True)
-    trainer.world_size = 2  # compile as one of two ranks; the transport above stands in for the other rank
+    eager, eager_opt, trainer = simulated_rank(zoo_name, "momentum", strategy)
     g = torch.Generator().manual_seed(1)
     for step in range(2):
         args, kwargs = entry.make_batch(g)
@@ -120,7 +84,7 @@ def test_gradients_live_in_the_bucket_buffer_and_training_matches_eager(one_rank
         torch.manual_seed(100 + step)
         torch.testing.assert_close(trainer.step(*args, **kwargs), want, rtol=1e-5, atol=1e-6)
     for name, value in eager.state_dict().items():
-        torch.testing.assert_close(model.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(trainer.model.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
     stats = trainer.report().stats["allreduce_views"]
     assert stats["in_place"] == EXPECTED[zoo_name][0]
     starts_per_step = sum(op.type == START for _, op in trainer.program.walk_ops())
