@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from fleetc.codegen.triton.kernel import KernelSource
-from fleetc.codegen.triton.launch import Launcher, _next_pow2, interpreting, load_kernel
+from fleetc.codegen.triton.launch import Launcher, next_pow2, interpreting, load_kernel
 from fleetc.codegen.triton.lowering import activation_expression, activation_grad_expression
 from fleetc.ir.program import Op, Var
 from fleetc.ops import fused_gemm
@@ -181,7 +181,7 @@ def block_sizes(rows: tuple[str, int], cols: tuple[str, int], depth: tuple[str, 
     """The tile heuristic: (dim name, extent) of a program's output rows and columns and of the summed dim;
     powers of two covering small extents, capped for large ones, and at least 16 (tl.dot's smallest tile)."""
     def tile(extent: int, cap: int) -> int:
-        return min(cap, max(16, _next_pow2(extent)))
+        return min(cap, max(16, next_pow2(extent)))
 
     return {f"BLOCK_{rows[0]}": tile(rows[1], OUTPUT_TILE_MAX), f"BLOCK_{cols[0]}": tile(cols[1], OUTPUT_TILE_MAX),
             f"BLOCK_{depth[0]}": tile(depth[1], DEPTH_TILE_MAX)}

@@ -37,7 +37,7 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
@@ -47,13 +47,13 @@ def block_sizes(kernel: KernelSource, shape: tuple[int, ...]) -> dict[str, int]:
     for d in shape:
         numel *= d
     if kernel.reduce_dims is None:
-        return {"NUMEL": numel, "BLOCK": min(POINTWISE_MAX_BLOCK, max(16, _next_pow2(numel)))}
+        return {"NUMEL": numel, "BLOCK": min(POINTWISE_MAX_BLOCK, max(16, next_pow2(numel)))}
     n = 1
     for d in kernel.reduce_dims:
         n *= shape[d]
     m = numel // n if n else 0
-    block_n = min(REDUCTION_MAX_BLOCK_N, max(16, _next_pow2(n)))
-    block_m = min(max(1, REDUCTION_TILE // block_n), max(2, _next_pow2(m)))
+    block_n = min(REDUCTION_MAX_BLOCK_N, max(16, next_pow2(n)))
+    block_m = min(max(1, REDUCTION_TILE // block_n), max(2, next_pow2(m)))
     return {"M": m, "N": n, "BLOCK_M": block_m, "BLOCK_N": block_n}
 
 
@@ -81,6 +81,18 @@ def load_kernel(kernel: KernelSource) -> Any:
     return _MODULES[key]
 
 
+def launch(fn: Any, grid: tuple[int, ...], *args: Any, **constexprs: Any) -> None:
+    """Launch a @triton.jit kernel; a launch that compiles writes its binary to fleetc's cache, not the user's."""
+    if interpreting():
+        fn[grid](*args, **constexprs)
+        return
+    import triton
+
+    with triton.knobs.cache.scope():
+        triton.knobs.cache.dir = str(cache_dir() / "bin")
+        fn[grid](*args, **constexprs)
+
+
 @dataclass
 class Launcher:
     """A kernel bound to one input signature: allocates outputs and launches with fixed constexprs."""
@@ -94,15 +106,11 @@ class Launcher:
     def __call__(self, inputs: tuple[torch.Tensor, ...]) -> Any:
         device = inputs[0].device
         outs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.outputs]
-        if self.compiled or interpreting():
+        if self.compiled:
             self.fn[self.grid](*inputs, *outs, **self.constexprs)
         else:
-            import triton
-
-            with triton.knobs.cache.scope():  # compiled binaries go to fleetc's cache, not the user's default
-                triton.knobs.cache.dir = str(cache_dir() / "bin")
-                self.fn[self.grid](*inputs, *outs, **self.constexprs)
-            self.compiled = True
+            launch(self.fn, self.grid, *inputs, *outs, **self.constexprs)
+            self.compiled = not interpreting()
         return outs[0] if len(outs) == 1 else tuple(outs)
 
 

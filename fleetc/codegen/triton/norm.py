@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from fleetc.codegen.triton.kernel import KernelSource
-from fleetc.codegen.triton.launch import block_sizes, cache_dir, interpreting, load_kernel
+from fleetc.codegen.triton.launch import block_sizes, launch, load_kernel
 from fleetc.codegen.triton.lowering import activation_expression, activation_grad_expression
 from fleetc.ir.program import Op, Var
 from fleetc.ops.activations import ACTIVATIONS
@@ -224,15 +224,7 @@ def fused_bn_sources(op: Op, inputs: list[Var | None]) -> list[KernelSource]:
 
 
 def _launch(kernel: KernelSource, grid: tuple[int, ...], *args: Any, **constexprs: Any) -> None:
-    fn = load_kernel(kernel)
-    if interpreting():
-        fn[grid](*args, **constexprs)
-        return
-    import triton
-
-    with triton.knobs.cache.scope():  # compiled binaries go to fleetc's cache, as launch.Launcher does
-        triton.knobs.cache.dir = str(cache_dir() / "bin")
-        fn[grid](*args, **constexprs)
+    launch(load_kernel(kernel), grid, *args, **constexprs)
 
 
 def _layout(x: torch.Tensor) -> tuple[int, int, int]:
