@@ -1,4 +1,5 @@
-"""Data-parallel Programs run as one of two ranks inside the test process: an identity transport and a trainer."""
+"""Data-parallel Programs without processes: captured zoo Programs through the passes as one of two ranks, an
+identity transport and a trainer compiled as one of two ranks."""
 from __future__ import annotations
 
 import copy
@@ -7,11 +8,44 @@ import dataclasses
 import pytest
 import torch
 
+import fleetc
 from fleetc.distributed import collectives, trainer as dp_trainer
 from fleetc.distributed.trainer import DataParallelTrainer
+from fleetc.ir.liveness import estimate_memory
+from fleetc.ir.program import Program
 from fleetc.ops import registry
 from fleetc.passes.allreduce import START
+from fleetc.passes.base import PassReport
+from fleetc.passes.instruments import VerifyInstrument
+from fleetc.passes.manager import History, PassManager, PassRecord
+from fleetc.passes.pipeline import build_pipeline
+from fleetc.strategy import resolve_strategy
 from zoo import OPTIMIZERS, ZOO
+
+
+def captured_program(zoo_name: str) -> Program:
+    """The zoo model's training Program after no-op view removal (where the allreduce passes start)."""
+    entry = ZOO[zoo_name]
+    torch.manual_seed(0)
+    model = entry.make_model()
+    trainer = fleetc.compile(model, optimizer=OPTIMIZERS["momentum"](model.parameters()), loss_fn=entry.loss_fn)
+    args, kwargs = entry.make_batch(torch.Generator().manual_seed(1))
+    trainer.step(*args, **kwargs)
+    return trainer.history["remove_noop_views"].program
+
+
+def run_data_parallel_passes(program: Program, world: int = 2, **fields) -> tuple[Program, History]:
+    """The default pipeline (without no-op view removal) on a copy of `program` stamped as `world` ranks."""
+    program = program.clone()
+    program.metadata["data_parallel"] = {"world_size": world}
+    strategy = fleetc.DistributedStrategy()
+    for key, value in fields.items():
+        setattr(strategy, key, value)
+    history = History([PassRecord("start", program, PassReport("start"), 0.0, estimate_memory(program))])
+    config = resolve_strategy(strategy)
+    passes = [p for p in build_pipeline(config) if p.name != "remove_noop_views"]  # the fixture ran it already
+    final = PassManager(passes, [VerifyInstrument()]).run(program, config, history)
+    return final, history
 
 
 class _Done:

@@ -2,49 +2,17 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
-import fleetc
 from fleetc.errors import PassError
 from fleetc.ir.program import OpRole, Program
 from fleetc.passes.allreduce import START, WAIT, gradient_vars
 from fleetc.passes.allreduce_fusion import MB, plan_buckets
-from fleetc.passes.pipeline import build_pipeline
-from fleetc.passes.instruments import VerifyInstrument
-from fleetc.passes.manager import History, PassManager, PassRecord
-from fleetc.passes.base import PassReport
-from fleetc.ir.liveness import estimate_memory
-from fleetc.strategy import resolve_strategy
-from zoo import OPTIMIZERS, ZOO
-
-
-def _captured(zoo_name: str) -> Program:
-    """The zoo model's training Program after no-op view removal (where the allreduce passes start)."""
-    entry = ZOO[zoo_name]
-    torch.manual_seed(0)
-    model = entry.make_model()
-    trainer = fleetc.compile(model, optimizer=OPTIMIZERS["momentum"](model.parameters()), loss_fn=entry.loss_fn)
-    args, kwargs = entry.make_batch(torch.Generator().manual_seed(1))
-    trainer.step(*args, **kwargs)
-    return trainer.history["remove_noop_views"].program
+from passes.dp_helpers import captured_program, run_data_parallel_passes
 
 
 @pytest.fixture(scope="module")
 def programs() -> dict[str, Program]:
-    return {name: _captured(name) for name in ("mlp", "cnn")}
-
-
-def _run(program: Program, world: int = 2, **fields) -> tuple[Program, History]:
-    program = program.clone()
-    program.metadata["data_parallel"] = {"world_size": world}
-    strategy = fleetc.DistributedStrategy()
-    for key, value in fields.items():
-        setattr(strategy, key, value)
-    history = History([PassRecord("start", program, PassReport("start"), 0.0, estimate_memory(program))])
-    config = resolve_strategy(strategy)
-    passes = [p for p in build_pipeline(config) if p.name != "remove_noop_views"]  # the fixture ran it already
-    final = PassManager(passes, [VerifyInstrument()]).run(program, config, history)
-    return final, history
+    return {name: captured_program(name) for name in ("mlp", "cnn")}
 
 
 def _types(program: Program) -> list[str]:
@@ -52,7 +20,7 @@ def _types(program: Program) -> list[str]:
 
 
 def test_every_gradient_gets_an_allreduce_right_after_its_producer(programs):
-    program, history = _run(programs["mlp"], fuse_all_reduce_ops=False)
+    program, history = run_data_parallel_passes(programs["mlp"], fuse_all_reduce_ops=False)
     grads = gradient_vars(programs["mlp"])
     assert len(grads) == 6 and _types(program).count(START) == 6 and _types(program).count(WAIT) == 6
     ops = program.global_block.ops
@@ -70,7 +38,7 @@ def test_every_gradient_gets_an_allreduce_right_after_its_producer(programs):
 
 
 def test_fusion_buckets_by_count_in_production_order(programs):
-    program, history = _run(programs["cnn"], fuse_grad_size_in_TFLOPS=4, nccl_comm_num=2)
+    program, history = run_data_parallel_passes(programs["cnn"], fuse_grad_size_in_TFLOPS=4, nccl_comm_num=2)
     starts = [op for op in program.global_block.ops if op.type == START]
     assert len(starts) == 5 and _types(program).count(WAIT) == 5  # 17 gradients, at most 4 per bucket
     assert [len(s.args[1]) for s in starts] == [4, 4, 4, 4, 1]
@@ -85,7 +53,7 @@ def test_fusion_buckets_by_count_in_production_order(programs):
 
 
 def test_first_bucket_is_small_and_size_cap_closes_buckets(programs):
-    program, _ = _run(programs["mlp"], last_comm_group_size_MB=0.001, fuse_grad_size_in_MB=1)
+    program, _ = run_data_parallel_passes(programs["mlp"], last_comm_group_size_MB=0.001, fuse_grad_size_in_MB=1)
     sizes = [[r.name for r in op.args[1]] for op in program.global_block.ops if op.type == START]
     # the first bucket closes at ~1 KB (out.weight alone is 2.5 KB): out.weight, then everything else in 1 MB
     assert sizes == [["out.weight@GRAD@LOCAL"], ["out.bias@GRAD@LOCAL", "fc2.weight@GRAD@LOCAL",
@@ -103,7 +71,7 @@ def test_buckets_are_grouped_by_dtype_with_a_small_first_bucket_each():
 
 
 def test_overlap_waits_just_before_the_first_consumer(programs):
-    program, history = _run(programs["cnn"], sync_nccl_allreduce=False, fuse_grad_size_in_TFLOPS=4)
+    program, history = run_data_parallel_passes(programs["cnn"], sync_nccl_allreduce=False, fuse_grad_size_in_TFLOPS=4)
     ops = program.global_block.ops
     for i, op in enumerate(ops):
         if op.type == WAIT:
@@ -118,7 +86,7 @@ def test_overlap_waits_just_before_the_first_consumer(programs):
 
 
 def test_single_process_programs_are_left_alone(programs):
-    program, history = _run(programs["mlp"], world=1, sync_nccl_allreduce=False)
+    program, history = run_data_parallel_passes(programs["mlp"], world=1, sync_nccl_allreduce=False)
     assert START not in _types(program)
     for name in ("insert_allreduce", "fuse_all_reduce_ops", "overlap_allreduce"):
         assert history[name].report.skipped_reason == "single process: no collectives needed"
@@ -127,21 +95,21 @@ def test_single_process_programs_are_left_alone(programs):
 
 def test_hierarchical_needs_a_node_size_that_divides_the_world(programs):
     with pytest.raises(PassError, match="hierarchical_allreduce_inter_nranks=3"):
-        _run(programs["mlp"], world=4, use_hierarchical_allreduce=True, hierarchical_allreduce_inter_nranks=3)
-    program, _ = _run(programs["mlp"], world=4, use_hierarchical_allreduce=True, hierarchical_allreduce_inter_nranks=2)
+        run_data_parallel_passes(programs["mlp"], world=4, use_hierarchical_allreduce=True, hierarchical_allreduce_inter_nranks=3)
+    program, _ = run_data_parallel_passes(programs["mlp"], world=4, use_hierarchical_allreduce=True, hierarchical_allreduce_inter_nranks=2)
     assert {op.args[4] for op in program.global_block.ops if op.type == START} == {"hierarchical"}
     assert program.metadata["collective_groups"] == {"intra:0": [[0, 1], [2, 3]], "inter:0": [[0, 2], [1, 3]]}
 
 
 def test_sync_batch_norm_replaces_training_batch_norms_and_their_backwards(programs):
-    program, history = _run(programs["cnn"], sync_batch_norm=True)
+    program, history = run_data_parallel_passes(programs["cnn"], sync_batch_norm=True)
     types = _types(program)
     assert types.count("fleetc.sync_batch_norm") == 5 and types.count("fleetc.sync_batch_norm_backward") == 5
     assert "aten._native_batch_norm_legit_functional.default" not in types
     assert all(OpRole.COLLECTIVE in op.role for op in program.global_block.ops if "sync_batch_norm" in op.type)
     assert history["sync_batch_norm"].report.stats == {"batch_norms_synced": 5, "backwards_synced": 5}
-    _, single = _run(programs["cnn"], world=1, sync_batch_norm=True)
+    _, single = run_data_parallel_passes(programs["cnn"], world=1, sync_batch_norm=True)
     assert single["sync_batch_norm"].report.skipped_reason == "single process: no collectives needed"
-    _, no_bn = _run(programs["mlp"], sync_batch_norm=True)
+    _, no_bn = run_data_parallel_passes(programs["mlp"], sync_batch_norm=True)
     assert no_bn["sync_batch_norm"].report.skipped_reason == "the Program has no training-mode batch norm"
 

@@ -12,8 +12,8 @@ from fleetc.ir.program import OpRole, Program
 from fleetc.ops.registry import resolve_callable
 from fleetc.passes.allreduce import START
 from fleetc.passes.allreduce_merged import WAIT_INTO
-from passes.test_allreduce import _captured, _run
-from passes.dp_helpers import _Done, one_rank_transport, simulated_rank  # noqa: F401  (a fixture)
+from passes.dp_helpers import (_Done, captured_program, one_rank_transport,  # noqa: F401  (a fixture)
+                                run_data_parallel_passes, simulated_rank)
 from zoo import ZOO
 
 MERGE = {"gradient_merge": True, "gradient_merge_configs": {"k_steps": 2}}
@@ -21,7 +21,7 @@ MERGE = {"gradient_merge": True, "gradient_merge_configs": {"k_steps": 2}}
 
 @pytest.fixture(scope="module")
 def programs() -> dict[str, Program]:
-    return {name: _captured(name) for name in ("mlp", "cnn")}
+    return {name: captured_program(name) for name in ("mlp", "cnn")}
 
 
 def _collectives(program: Program) -> list[tuple[int, str]]:
@@ -34,7 +34,7 @@ def _update_block(program: Program):
 
 @pytest.mark.parametrize("fields, buckets", [({"fuse_all_reduce_ops": False}, 6), ({}, 1)])
 def test_collectives_only_in_the_update_block_before_the_averaging(programs, fields, buckets):
-    program, history = _run(programs["mlp"], **MERGE, **fields)
+    program, history = run_data_parallel_passes(programs["mlp"], **MERGE, **fields)
     update = _update_block(program)
     assert {idx for idx, _ in _collectives(program)} == {update.idx}  # none in the per-step ops
     types = [op.type for op in update.ops]
@@ -54,7 +54,7 @@ def test_collectives_only_in_the_update_block_before_the_averaging(programs, fie
 
 
 def test_amp_merges_fp32_casts_of_weight_gradients_and_they_are_allreduced_in_the_update_block(programs):
-    program, history = _run(programs["mlp"], amp=True, **MERGE)
+    program, history = run_data_parallel_passes(programs["mlp"], amp=True, **MERGE)
     update = _update_block(program)
     assert {idx for idx, _ in _collectives(program)} == {update.idx}
     (start,) = [op for op in update.ops if op.type == START]
@@ -63,7 +63,7 @@ def test_amp_merges_fp32_casts_of_weight_gradients_and_they_are_allreduced_in_th
 
 
 def test_buckets_follow_the_plain_strategy_fields(programs):
-    program, history = _run(programs["cnn"], **MERGE, fuse_grad_size_in_TFLOPS=4, nccl_comm_num=2,
+    program, history = run_data_parallel_passes(programs["cnn"], **MERGE, fuse_grad_size_in_TFLOPS=4, nccl_comm_num=2,
                             sync_nccl_allreduce=False)
     starts = [op for op in _update_block(program).ops if op.type == START]
     assert [len(s.args[1]) for s in starts] == [4, 4, 4, 4, 1]  # 17 gradients, at most 4 per bucket
@@ -72,7 +72,7 @@ def test_buckets_follow_the_plain_strategy_fields(programs):
     assert history["fuse_all_reduce_ops"].report.stats == {"buckets": 5, "gradients": 17, "allreduces_before": 17,
                                                            "collectives_per_k_steps": 5}
     assert history["overlap_allreduce"].report.skipped_reason.startswith("gradient merge")
-    program, _ = _run(programs["mlp"], world=4, **MERGE, use_hierarchical_allreduce=True,
+    program, _ = run_data_parallel_passes(programs["mlp"], world=4, **MERGE, use_hierarchical_allreduce=True,
                       hierarchical_allreduce_inter_nranks=2)
     assert [op.args[4] for op in _update_block(program).ops if op.type == START] == ["hierarchical"]
 

@@ -17,14 +17,14 @@ from fleetc.ops.registry import resolve_callable
 from fleetc.passes.allreduce import START
 from fleetc.passes.allreduce_views import OUT_KERNELS, SLOT, AllreduceViews
 from fleetc.strategy import resolve_strategy
-from passes.dp_helpers import one_rank_transport, simulated_rank  # noqa: F401  (a fixture)
-from passes.test_allreduce import _captured, _run
+from passes.dp_helpers import (captured_program, one_rank_transport,  # noqa: F401  (a fixture)
+                                run_data_parallel_passes, simulated_rank)
 from zoo import ZOO
 
 
 @pytest.fixture(scope="module")
 def programs():
-    return {name: _captured(name) for name in ("mlp", "cnn", "gpt")}
+    return {name: captured_program(name) for name in ("mlp", "cnn", "gpt")}
 
 
 # (in place, copied) per zoo model with the default strategy, and why the copied ones are copied.
@@ -41,7 +41,7 @@ EXPECTED = {
 
 @pytest.mark.parametrize("zoo_name", sorted(EXPECTED))
 def test_report_counts_gradients_written_in_place_and_copied(programs, zoo_name):
-    program, history = _run(programs[zoo_name])
+    program, history = run_data_parallel_passes(programs[zoo_name])
     report = history["allreduce_views"].report
     in_place, copied, reasons = EXPECTED[zoo_name]
     assert report.stats == {"in_place": in_place, "copied": copied} and report.changed
@@ -63,9 +63,9 @@ def test_report_counts_gradients_written_in_place_and_copied(programs, zoo_name)
 
 
 def test_single_process_and_unfused_programs(programs):
-    _, single = _run(programs["mlp"], world=1)
+    _, single = run_data_parallel_passes(programs["mlp"], world=1)
     assert single["allreduce_views"].report.skipped_reason == "single process: no collectives needed"
-    program, unfused = _run(programs["mlp"], fuse_all_reduce_ops=False)
+    program, unfused = run_data_parallel_passes(programs["mlp"], fuse_all_reduce_ops=False)
     assert unfused["allreduce_views"].report.stats == {"in_place": 6, "copied": 0}  # one buffer per gradient
     assert [op.args[2] for op in program.global_block.ops if op.type == START] == [[True]] * 6
 
@@ -116,7 +116,7 @@ def test_fill_bucket_copies_the_rest_and_refuses_a_gradient_outside_its_slot():
 
 def _fused_mlp(programs):
     """The 2-rank mlp Program right before allreduce_views, and its strategy config."""
-    _, history = _run(programs["mlp"])
+    _, history = run_data_parallel_passes(programs["mlp"])
     return history["fuse_all_reduce_ops"].program.clone(), resolve_strategy(fleetc.DistributedStrategy())
 
 
