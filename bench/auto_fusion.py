@@ -14,9 +14,9 @@ import statistics
 import time
 
 import torch
+from zoo import OPTIMIZERS, ZOO
 
 import fleetc
-from zoo import OPTIMIZERS, ZOO
 
 
 def trainer_for(model: torch.nn.Module, entry, optimizer_name: str, on: bool) -> fleetc.CompiledTrainer:

@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import fleetc
 import fleetc.fleet as fleet
-from fleetc.passes.allreduce import START
+from fleetc.passes.data_parallel.allreduce import START
 
 WORLD = 2
 VARIANTS = {  # name → (strategy fields, passes disabled)

@@ -11,10 +11,10 @@ import copy
 import time
 
 import torch
+from zoo import OPTIMIZERS, ZOO
 
 import fleetc
-from fleetc.passes.pipeline import fusion_flags
-from zoo import OPTIMIZERS, ZOO
+from fleetc.passes.order import fusion_flags
 
 
 def _strategy(on: bool) -> fleetc.DistributedStrategy:

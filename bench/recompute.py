@@ -21,10 +21,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+from zoo import ZOO, TinyGPT  # noqa: E402
+
 import fleetc  # noqa: E402
 from fleetc.passes.recompute import RecomputePolicy  # noqa: E402
-from fleetc.passes.recompute_plan import forward_region  # noqa: E402
-from zoo import ZOO, TinyGPT  # noqa: E402
+from fleetc.passes.recompute.plan import forward_region  # noqa: E402
 
 LAYERS = 12
 SIZES = dict(vocab=256, dim=128, heads=4, layers=LAYERS, seq=256, dropout=0.1)

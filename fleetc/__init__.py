@@ -1,5 +1,8 @@
 """fleetc: a graph compiler for PyTorch training with PaddlePaddle Fleet's strategy-driven optimizations."""
-from fleetc import ops  # noqa: F401  (registers fleetc's op types)
+from fleetc import (
+    ops,  # noqa: F401  (registers fleetc's op types)
+    viz,  # noqa: F401,E402  (registers the notebook views of Programs and pass records)
+)
 from fleetc.capture.device_guard import device_guard
 from fleetc.compiler import CompiledTrainer, compile
 from fleetc.errors import (
@@ -14,7 +17,12 @@ from fleetc.errors import (
 )
 from fleetc.ir.program import Block, Op, OpRole, Program, Var, VarKind
 from fleetc.report import CompileReport
-from fleetc.strategy import BuildStrategy, DistributedStrategy, ExecutionStrategy, Strategy
+from fleetc.strategy import (
+    BuildStrategy,
+    DistributedStrategy,
+    ExecutionStrategy,
+    Strategy,
+)
 
 __version__ = "0.1.0"
 

@@ -15,12 +15,12 @@ from torch import nn
 
 import fleetc
 from fleetc.codegen.triton import format_kernels
-from fleetc.distributed.launch import add_run_command
-from fleetc.errors import FleetcError
+from fleetc.errors import CommandError, FleetcError
+from fleetc.fleet.launch import add_run_command
 from fleetc.ir.liveness import MemoryEstimate
 from fleetc.ir.serialize import program_to_json, to_dict
 from fleetc.passes.manager import History, PassRecord
-from fleetc.passes.pipeline import all_pass_names
+from fleetc.passes.order import all_pass_names
 from fleetc.strategy import load_strategy_file
 from fleetc.strategy.atomic import write_atomically
 from fleetc.strategy.names import closest
@@ -45,10 +45,6 @@ zero-argument callable returning a dict with
 dump-ir runs one real training step on the factory's objects: the model's parameters and the
 optimizer's state are updated once.
 """
-
-
-class CommandError(Exception):
-    """A problem with the command's inputs: reported as one line, exit status 2."""
 
 
 @dataclass

@@ -9,7 +9,12 @@ import torch
 from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from fleetc.capture import capture_eval_program, capture_train_program, optimizer_signature, param_names
+from fleetc.capture import (
+    capture_eval_program,
+    capture_train_program,
+    optimizer_signature,
+    param_names,
+)
 from fleetc.errors import PassError
 from fleetc.ir.liveness import estimate_memory
 from fleetc.ir.program import Program
@@ -17,14 +22,18 @@ from fleetc.ir.verifier import verify
 from fleetc.passes.base import PassReport
 from fleetc.passes.instruments import PassInstrument, PrintInstrument, VerifyInstrument
 from fleetc.passes.manager import History, PassManager, PassRecord
-from fleetc.passes.pipeline import all_pass_names, build_pipeline, strategy_requests_without_pass
+from fleetc.passes.order import (
+    all_pass_names,
+    ordered_passes,
+    strategy_requests_without_pass,
+)
+from fleetc.passes.progress import CompileProgress, ProgressInstrument, progress_stage
 from fleetc.passes.recompute import RecomputePolicy
 from fleetc.report import CompileReport
 from fleetc.runtime.checkpoint import load_owned_state, owned_state_dict
 from fleetc.runtime.executor import Executable
 from fleetc.runtime.state import StateBinding
 from fleetc.strategy import resolve_conflicts, resolve_strategy
-from fleetc.viz.progress import CompileProgress, ProgressInstrument, progress_stage
 
 
 @dataclass
@@ -91,8 +100,8 @@ class CompiledTrainer:
             verify(program, after_pass="capture")
         capture_report = PassReport("capture", changed=True, stats={"ops": program.num_ops()})
         history = History([PassRecord("capture", program, capture_report, capture_seconds, estimate_memory(program))])
-        pipeline = build_pipeline(self.config, recompute_policy=self.recompute_policy)
-        manager = PassManager(pipeline, self._instruments(), self.disable_passes)
+        passes = ordered_passes(self.config, recompute_policy=self.recompute_policy)
+        manager = PassManager(passes, self._instruments(), self.disable_passes)
         final = manager.run(program, self.config, history)
         report = CompileReport(decisions=list(self.decisions), ops_before=program.num_ops(), ops_after=final.num_ops())
         for record in history[1:]:
@@ -250,8 +259,9 @@ def compile(model: nn.Module, strategy: Any = None, *, optimizer: torch.optim.Op
     """
     options = dict(loss_fn=loss_fn, measure_memory=measure_memory, verify=verify, disable_passes=disable_passes,
                    print_after=print_after, recompute_policy=recompute_policy)
-    if getattr(optimizer, "is_fleetc_distributed", False):  # from fleet.distributed_optimizer: data parallel
-        from fleetc.fleet import _fleet
-
-        return _fleet.compile(model, optimizer, strategy, **options)
+    # An optimizer from fleet.distributed_optimizer builds its own (data-parallel) trainer: fleet sits above the
+    # compiler and supplies it, so the compiler never imports the Fleet API.
+    compile_trainer = getattr(optimizer, "compile_trainer", None)
+    if compile_trainer is not None:
+        return compile_trainer(model, strategy, **options)
     return CompiledTrainer(model, strategy, optimizer=optimizer, **options)

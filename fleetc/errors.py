@@ -35,3 +35,7 @@ class CollectiveError(FleetcError, RuntimeError):
 
 class PassStrategyError(StrategyError, PassError):
     """A strategy value only a pass can check against the Program (e.g. a recompute checkpoint naming nothing)."""
+
+
+class CommandError(FleetcError):
+    """A problem with a `fleetc` command's inputs: reported as one line, exit status 2."""

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import copy
 import pathlib
-from dataclasses import dataclass
 import sys
+from dataclasses import dataclass
 
 import pytest
 import torch

@@ -9,10 +9,10 @@ import pytest
 
 from fleetc.cli import main
 from fleetc.ir.serialize import from_dict
-from fleetc.passes.pipeline import build_pipeline
+from fleetc.passes.order import ordered_passes
 from fleetc.strategy import resolve_strategy
 
-STAGES = ["capture", *(p.name for p in build_pipeline(resolve_strategy(None)))]  # what the default strategy runs
+STAGES = ["capture", *(p.name for p in ordered_passes(resolve_strategy(None)))]  # what the default strategy runs
 
 
 def dump(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import run_side_by_side
 from zoo import OPTIMIZERS, ZOO
 

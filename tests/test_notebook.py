@@ -9,14 +9,14 @@ import nbformat
 import pytest
 
 import fleetc
-from fleetc.passes.pipeline import build_pipeline
+from fleetc.passes.order import ordered_passes
 from fleetc.strategy import resolve_conflicts, resolve_strategy
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
 
 def _passes(strategy) -> list[str]:
-    return ["capture", *(p.name for p in build_pipeline(resolve_conflicts(resolve_strategy(strategy))[0]))]
+    return ["capture", *(p.name for p in ordered_passes(resolve_conflicts(resolve_strategy(strategy))[0]))]
 
 
 def _merge_every_2_steps() -> fleetc.DistributedStrategy:
@@ -45,7 +45,7 @@ def _html(cell: dict) -> str:
 
 
 @pytest.mark.slow
-def test_each_strategy_runs_its_pipeline_and_agrees_on_the_loss(cells) -> None:
+def test_each_strategy_runs_its_passes_and_agrees_on_the_loss(cells) -> None:
     fusion = fleetc.DistributedStrategy()
     fusion.build_strategy.fuse_bn_act_ops = True
     fusion.build_strategy.fuse_elewise_add_act_ops = True

@@ -1,6 +1,6 @@
 """Data-parallel training on torch.distributed: environment, communicator groups, collective ops, Fleet API."""
-from fleetc.distributed import collectives  # noqa: F401  (registers the collective op types)
-from fleetc.distributed.env import collective_timeout, set_collective_timeout, world_size
+from fleetc.comm import collectives  # noqa: F401  (registers the collective op types)
+from fleetc.comm.env import collective_timeout, set_collective_timeout, world_size
 from fleetc.errors import CollectiveError
 
 __all__ = ["CollectiveError", "collective_timeout", "set_collective_timeout", "world_size"]

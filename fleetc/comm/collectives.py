@@ -17,10 +17,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fleetc.distributed import groups
-from fleetc.distributed.env import collective_timeout
-from fleetc.distributed.faults import collective_failed
-from fleetc.ops.registry import register_op
+from fleetc.comm import groups
+from fleetc.comm.env import collective_timeout
+from fleetc.comm.faults import collective_failed
+from fleetc.ir.registry import register_op
 
 FLAT = "flat"
 HIERARCHICAL = "hierarchical"

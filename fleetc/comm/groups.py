@@ -10,7 +10,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from fleetc.distributed.env import collective_timeout
+from fleetc.comm.env import collective_timeout
 from fleetc.errors import CollectiveError
 
 _GROUPS: dict[tuple, Any] = {}

@@ -10,8 +10,8 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from fleetc.distributed.env import collective_timeout
-from fleetc.distributed.faults import collective_failed
+from fleetc.comm.env import collective_timeout
+from fleetc.comm.faults import collective_failed
 from fleetc.errors import CollectiveError
 from fleetc.ir.program import OpRole, Program, Ref
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fleetc.distributed.collectives import blocking_collective
-from fleetc.ops.registry import register_op
+from fleetc.comm.collectives import blocking_collective
+from fleetc.ir.registry import register_op
 
 
 def _channel_dims(x: torch.Tensor) -> tuple[list[int], list[int]]:

@@ -2,10 +2,15 @@
 
 Collective (data-parallel) mode on torch.distributed; parameter-server calls raise NotImplementedError.
 """
-from fleetc.distributed.fleet_api import PARAMETER_SERVER_CALLS, Fleet
-from fleetc.distributed.optimizer import DistributedOptimizer
-from fleetc.distributed.role_maker import PaddleCloudRoleMaker, UserDefinedRoleMaker
-from fleetc.strategy import BuildStrategy, DistributedStrategy, ExecutionStrategy, Strategy
+from fleetc.fleet.fleet_api import PARAMETER_SERVER_CALLS, Fleet
+from fleetc.fleet.optimizer import DistributedOptimizer
+from fleetc.fleet.role_maker import PaddleCloudRoleMaker, UserDefinedRoleMaker
+from fleetc.strategy import (
+    BuildStrategy,
+    DistributedStrategy,
+    ExecutionStrategy,
+    Strategy,
+)
 
 _fleet = Fleet()
 init = _fleet.init

@@ -7,12 +7,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fleetc.distributed import checkpoint, env, groups
-from fleetc.distributed.faults import collective_failed
-from fleetc.distributed.optimizer import DistributedOptimizer
-from fleetc.distributed.role_maker import PaddleCloudRoleMaker
-from fleetc.distributed.trainer import DataParallelTrainer
+from fleetc.comm import env, groups
+from fleetc.comm.faults import collective_failed
 from fleetc.errors import FleetcError
+from fleetc.fleet import checkpoint
+from fleetc.fleet.optimizer import DistributedOptimizer
+from fleetc.fleet.role_maker import PaddleCloudRoleMaker
+from fleetc.fleet.trainer import DataParallelTrainer
 
 PS_NOT_SUPPORTED = ("{name}: fleetc supports collective (data-parallel) mode; parameter-server mode is planned, "
                     "not implemented. Use fleet.init(is_collective=True).")
@@ -85,7 +86,7 @@ class Fleet:
         self.role = self.optimizer = self.trainer = None
 
     def distributed_optimizer(self, optimizer: torch.optim.Optimizer, strategy: Any = None) -> DistributedOptimizer:
-        self.optimizer = DistributedOptimizer(optimizer, strategy)
+        self.optimizer = DistributedOptimizer(optimizer, strategy, fleet=self)
         return self.optimizer
 
     def distributed_model(self, model: nn.Module, loss_fn: Callable | None = None,

@@ -5,6 +5,8 @@ import argparse
 import os
 from typing import Any
 
+from fleetc.errors import CommandError
+
 DESCRIPTION = """\
 Run SCRIPT in several processes with torch.distributed.run (torchrun): one machine with
 --nproc_per_node processes (or one per --gpus entry), or several machines (--ips) meeting at a
@@ -29,7 +31,6 @@ def add_run_command(commands: Any) -> None:
 
 def torchrun_arguments(options: argparse.Namespace) -> list[str]:
     """The torch.distributed.run command line for `fleetc run` options."""
-    from fleetc.cli import CommandError
 
     if options.gpus is not None:
         gpus = [g for g in options.gpus.split(",") if g.strip()]

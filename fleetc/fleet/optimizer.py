@@ -6,8 +6,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fleetc.distributed import env
-from fleetc.distributed.faults import collective_failed
+from fleetc.comm import env
+from fleetc.comm.faults import collective_failed
 
 
 class DistributedOptimizer:
@@ -18,13 +18,16 @@ class DistributedOptimizer:
     (one collective per dtype) and then applies the update, so a hand-written loop is data parallel too.
     """
 
-    is_fleetc_distributed = True
-
-    def __init__(self, optimizer: torch.optim.Optimizer, strategy: Any = None):
+    def __init__(self, optimizer: torch.optim.Optimizer, strategy: Any = None, fleet: Any = None):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"distributed_optimizer needs a torch.optim.Optimizer, not {type(optimizer).__name__}")
         self.inner = optimizer
         self.strategy = strategy
+        self.fleet = fleet  # the Fleet that made it: it builds the trainer
+
+    def compile_trainer(self, model: Any, strategy: Any = None, **compile_options: Any) -> Any:
+        """What `fleetc.compile(model, optimizer=this)` returns: the Fleet's data-parallel trainer."""
+        return self.fleet.compile(model, self, strategy, **compile_options)
 
     @property
     def param_groups(self) -> list[dict]:

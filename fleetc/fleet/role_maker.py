@@ -1,7 +1,7 @@
 """Role makers: where `fleet.init` learns this process's rank, the world size and the worker endpoints."""
 from __future__ import annotations
 
-from fleetc.distributed.env import Role, role_from_environment
+from fleetc.comm.env import Role, role_from_environment
 
 
 class PaddleCloudRoleMaker:

@@ -7,10 +7,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fleetc.comm import env, groups
+from fleetc.comm.faults import collective_failed
+from fleetc.comm.plan import check_plans_agree
 from fleetc.compiler import CompiledStep, CompiledTrainer
-from fleetc.distributed import env, groups
-from fleetc.distributed.faults import collective_failed
-from fleetc.distributed.plan import check_plans_agree
 from fleetc.ir.program import Program
 from fleetc.passes.manager import History
 from fleetc.passes.recompute import RecomputePolicy

@@ -5,7 +5,7 @@ import functools
 from dataclasses import dataclass, field
 
 from fleetc.ir.program import Block, Op, Program, VarKind
-from fleetc.ops.registry import resolve_callable
+from fleetc.ir.registry import resolve_callable
 
 
 def block_reads(program: Program, op: Op) -> list[str]:

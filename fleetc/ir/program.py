@@ -8,6 +8,8 @@ from typing import Any, Iterator
 
 import torch
 
+from fleetc.ir.html import HtmlViewable
+
 
 class OpRole(enum.IntFlag):
     """What part of the training step an op belongs to (a flag set, like Paddle's op_role bitmask)."""
@@ -173,7 +175,7 @@ class Block:
 
 
 @dataclass
-class Program:
+class Program(HtmlViewable):
     """A whole training (or evaluation) step: blocks, feeds in call order, named fetches, metadata.
 
     `feeds` are DATA and HYPER vars in the order the runtime passes them; `fetches` maps an output
@@ -259,8 +261,3 @@ class Program:
         from fleetc.ir.printer import format_program
 
         return format_program(self)
-
-    def _repr_html_(self) -> str:
-        from fleetc.viz.program_view import program_html
-
-        return program_html(self)

@@ -17,8 +17,18 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from fleetc.errors import VerificationError
 from fleetc.ir.liveness import block_reads
 from fleetc.ir.printer import format_op
-from fleetc.ir.program import CONDITIONAL_BLOCK, FED_KINDS, Block, Op, OpRole, Program, Ref, VarKind, map_refs
-from fleetc.ops.registry import resolve_callable
+from fleetc.ir.program import (
+    CONDITIONAL_BLOCK,
+    FED_KINDS,
+    Block,
+    Op,
+    OpRole,
+    Program,
+    Ref,
+    VarKind,
+    map_refs,
+)
+from fleetc.ir.registry import resolve_callable
 
 CONTEXT_OPS = 2
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from fleetc.ops.registry import register_op
+from fleetc.ir.registry import register_op
 
 
 @register_op("scale_loss_grad", "backward seed times the loss scale; a zero scale (no step run yet) starts at init")

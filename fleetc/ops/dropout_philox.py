@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from fleetc.ops.registry import register_op
+from fleetc.ir.registry import register_op
 
 _MASK32 = 0xFFFFFFFF
 _ROUNDS = 10

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from fleetc.ops.registry import register_op, resolve_callable
+from fleetc.ir.registry import register_op, resolve_callable
 
 OPERAND_PREFIX = "%"
 

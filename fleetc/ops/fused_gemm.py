@@ -5,8 +5,8 @@ from typing import Any
 
 import torch
 
+from fleetc.ir.registry import register_op
 from fleetc.ops.activations import apply, apply_grad
-from fleetc.ops.registry import register_op
 
 aten = torch.ops.aten
 

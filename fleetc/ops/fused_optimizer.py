@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from fleetc.ops.registry import register_op
+from fleetc.ir.registry import register_op
 
 
 @register_op("fused_sgd", "SGD (momentum, dampening, nesterov, weight decay) for a list of parameters at once")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from fleetc.ops.registry import register_op
+from fleetc.ir.registry import register_op
 
 # optimizer.state key of the float32 master copy of a low-precision parameter (amp use_pure_fp16).
 MASTER_KEY = "master_weight"

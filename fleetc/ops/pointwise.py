@@ -1,4 +1,7 @@
-"""Triton expressions for pointwise aten ops: which ops a fused kernel can compute, and how.
+"""The pointwise aten ops a fused kernel can compute, and their expressions (written in Triton's syntax).
+
+This is the step language of `fleetc.fused_elementwise`: auto fusion asks `can_lower` what it may fuse, and
+the code generators render the expressions.
 
 Lowerings use only Triton builtins (`tl.exp`, `tl.where`, `tl.math.erf`, …), never the `@triton.jit`
 helpers of `triton.language.standard` (`tl.sigmoid`, `tl.sum`, `tl.zeros`): those are decorated when triton is first
@@ -21,7 +24,7 @@ _INV_SQRT_2PI = repr(1 / math.sqrt(2 * math.pi))
 
 
 class LoweringError(Exception):
-    """An op (or an argument of it) that the Triton code generator cannot express."""
+    """An op (or an argument of it) that a fused kernel cannot express."""
 
 
 def constant(value: Any) -> str:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from fleetc.ops.registry import register_op
+from fleetc.ir.registry import register_op
 
 
 @register_op("dropout_replay", "native_dropout's output again from its saved mask: x * mask * scale, no new draw")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from fleetc.ops.registry import register_op
+from fleetc.ir.registry import register_op
 
 
 @register_op("assign", "copy a freshly computed value into a persistable Var, in place")

@@ -8,16 +8,20 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from fleetc.errors import PassError
+from fleetc.ir.html import HtmlViewable
 from fleetc.ir.liveness import MemoryEstimate, estimate_memory
 from fleetc.ir.program import Program
 from fleetc.passes.base import Pass, PassReport
 from fleetc.passes.instruments import PassInstrument
-from fleetc.viz.diff_view import UnifiedDiff
+
+
+class UnifiedDiff(HtmlViewable, str):
+    """`history.diff(...)`: a plain string (print it, compare it) with a coloured notebook view."""
 
 
 @dataclass
-class PassRecord:
-    """One pipeline stage: the pass, the Program after it, its report and how long it took."""
+class PassRecord(HtmlViewable):
+    """One step of the pass order: the pass, the Program after it, its report and how long it took."""
 
     name: str
     program: Program
@@ -38,13 +42,8 @@ class PassRecord:
     def __str__(self) -> str:
         return f"{self.header()}\n{self.program}"
 
-    def _repr_html_(self) -> str:
-        from fleetc.viz.record_view import record_html
 
-        return record_html(self)
-
-
-class History(Sequence):
+class History(HtmlViewable, Sequence):
     """Every intermediate Program in pass order; index by position or by pass name."""
 
     def __init__(self, records: Iterable[PassRecord] = ()):
@@ -86,11 +85,6 @@ class History(Sequence):
 
     def __repr__(self) -> str:
         return f"History({self.names()})"
-
-    def _repr_html_(self) -> str:
-        from fleetc.viz.record_view import history_html
-
-        return history_html(self)
 
 
 class PassManager:

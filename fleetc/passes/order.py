@@ -1,4 +1,4 @@
-"""The pass pipeline, built from the strategy in one readable place, in a fixed documented order.
+"""The pass order: the passes a strategy asks for, built in one readable place, in a fixed documented order.
 
 Order (DESIGN.md): AMP → recompute → fusion → gradient merge → allreduce → sharding → pipeline split
 → optimizer fusion → DCE → memory planning. Passes not built yet are listed in
@@ -8,23 +8,27 @@ from __future__ import annotations
 
 from typing import Any
 
-from fleetc.passes.allreduce import InsertAllreduce
-from fleetc.passes.allreduce_fusion import FuseAllreduce
-from fleetc.passes.allreduce_overlap import OverlapAllreduce
-from fleetc.passes.allreduce_views import AllreduceViews
-from fleetc.passes.amp import AutoMixedPrecision
-from fleetc.passes.auto_fusion import AutoFusion
 from fleetc.passes.base import Pass
-from fleetc.passes.dce import DeadCodeElimination
-from fleetc.passes.fusion_dropout import FuseDropoutAdd
-from fleetc.passes.fusion_elementwise import FuseElementwiseAddAct
-from fleetc.passes.fusion_gemm import FuseGemmEpilogue
-from fleetc.passes.fusion_norm import FuseBnAct, FuseBnAddAct
-from fleetc.passes.fusion_optimizer import FuseOptimizerOps
+from fleetc.passes.cleanup import DeadCodeElimination, RemoveNoopViews
+from fleetc.passes.data_parallel import (
+    AllreduceViews,
+    FuseAllreduce,
+    InsertAllreduce,
+    OverlapAllreduce,
+    SyncBatchNorm,
+)
+from fleetc.passes.fusion import (
+    AutoFusion,
+    FuseBnAct,
+    FuseBnAddAct,
+    FuseDropoutAdd,
+    FuseElementwiseAddAct,
+    FuseGemmEpilogue,
+    FuseOptimizerOps,
+)
 from fleetc.passes.gradient_merge import GradientMerge
-from fleetc.passes.noop_views import RemoveNoopViews
+from fleetc.passes.precision import AutoMixedPrecision
 from fleetc.passes.recompute import Recompute, RecomputePolicy
-from fleetc.passes.sync_batch_norm import SyncBatchNorm
 
 # Named op fusions, each run only when its flag is on. Larger and more specific patterns come first,
 # so where matches overlap (bn+add+relu vs add+relu) the outcome is fixed by this order.
@@ -37,7 +41,7 @@ _FUSIONS = (
 )
 
 
-def build_pipeline(config: Any, recompute_policy: RecomputePolicy | None = None) -> list[Pass]:
+def ordered_passes(config: Any, recompute_policy: RecomputePolicy | None = None) -> list[Pass]:
     """The passes to run for a strategy config, in order."""
     return [
         RemoveNoopViews(),  # detach/clone/same-shape views from capture hide fusion patterns and cost calls
@@ -52,7 +56,7 @@ def build_pipeline(config: Any, recompute_policy: RecomputePolicy | None = None)
         FuseAllreduce(),  # one flat buffer and one collective per bucket of gradients
         AllreduceViews(),  # gradient producers write into their bucket's buffer (no packing copy)
         OverlapAllreduce(),  # wait for a bucket just before its first consumer (sync_nccl_allreduce=False)
-        # (sharding and pipeline split go here)
+        # (sharding and the pipeline-parallel split go here)
         *([FuseOptimizerOps()] if _enabled(config, FuseOptimizerOps) else []),  # one multi-tensor update per group
         DeadCodeElimination(),  # results nobody reads (e.g. saved stats of unused outputs)
     ]
@@ -63,12 +67,12 @@ def _enabled(config: Any, pass_type: type) -> bool:
 
 
 def fusion_flags() -> list[str]:
-    """The build_strategy fields that switch the named fusion passes on, in pipeline order."""
+    """The build_strategy fields that switch the named fusion passes on, in pass order."""
     return [p.reads[0].removeprefix("build_strategy.") for p in (*_FUSIONS, FuseOptimizerOps)]
 
 
 def all_pass_names() -> list[str]:
-    """Every pass name the pipeline can contain (for --disable-pass validation)."""
+    """Every pass name the pass order can contain (for --disable-pass validation)."""
     return [RemoveNoopViews.name, AutoMixedPrecision.name, SyncBatchNorm.name, Recompute.name,
             *(f.name for f in _FUSIONS), AutoFusion.name, GradientMerge.name, InsertAllreduce.name,
             FuseAllreduce.name, AllreduceViews.name, OverlapAllreduce.name, FuseOptimizerOps.name,

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from fleetc.ir.liveness import last_use_index
 from fleetc.ir.program import CONDITIONAL_BLOCK, Block, Op, Program, Ref, VarKind
-from fleetc.ops.registry import resolve_callable
+from fleetc.ir.registry import resolve_callable
 
 _SIMPLE = (bool, int, str, type(None))
 

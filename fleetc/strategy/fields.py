@@ -17,7 +17,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fleetc.strategy.kinds import Bool, Bounds, Checkpoints, Choice, Float, Int, Kind, ListOf, Nullable
+from fleetc.strategy.kinds import (
+    Bool,
+    Bounds,
+    Checkpoints,
+    Choice,
+    Float,
+    Int,
+    Kind,
+    ListOf,
+    Nullable,
+)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""A unified diff of two Program listings that prints as text and renders coloured in notebooks."""
+"""The coloured HTML form of a unified diff of two Program listings (`history.diff(...)` in notebooks)."""
 from __future__ import annotations
 
 from fleetc.viz.style import esc, wrap
@@ -20,8 +20,6 @@ def diff_body(diff: str) -> str:
     return f'<pre class="diff">{chr(10).join(lines)}</pre>'
 
 
-class UnifiedDiff(str):
-    """`history.diff(...)`: a plain string (print it, compare it) with a coloured notebook view."""
-
-    def _repr_html_(self) -> str:
-        return wrap(diff_body(str(self)))
+def diff_html(diff: str) -> str:
+    """The notebook view of `history.diff(...)`: the diff coloured, on the page's stylesheet."""
+    return wrap(diff_body(str(diff)))

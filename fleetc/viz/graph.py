@@ -11,7 +11,14 @@ from fleetc.ir.liveness import block_reads
 from fleetc.ir.printer import format_op
 from fleetc.ir.program import Op, Program
 from fleetc.strategy.names import closest
-from fleetc.viz.style import ROLE_BORDERS, ROLE_COLOURS, esc, fusion_marks, primary_role, wrap
+from fleetc.viz.style import (
+    ROLE_BORDERS,
+    ROLE_COLOURS,
+    esc,
+    fusion_marks,
+    primary_role,
+    wrap,
+)
 
 NODE_W, NODE_H, GAP_X, GAP_Y, MARGIN = 168, 26, 16, 34, 10
 LABEL_CHARS = 24

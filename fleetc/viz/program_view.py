@@ -6,7 +6,15 @@ from dataclasses import dataclass, field
 
 from fleetc.ir.printer import format_type, role_counts
 from fleetc.ir.program import Program
-from fleetc.viz.changes import ADDED, CHANGED, REMOVED, SAME, OpEntry, ProgramChanges, compare_programs
+from fleetc.viz.changes import (
+    ADDED,
+    CHANGED,
+    REMOVED,
+    SAME,
+    OpEntry,
+    ProgramChanges,
+    compare_programs,
+)
 from fleetc.viz.style import esc, fusion_marks, legend, primary_role, wrap
 
 # Programs up to this many ops open every module group; larger ones open only groups with changes.

@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from zoo import MLP, ZOO, TinyGPT
 
 import fleetc
 from fleetc.ir.program import OpRole, VarKind
-from zoo import MLP, ZOO, TinyGPT
 
 
 def _compile_mlp(**kwargs):

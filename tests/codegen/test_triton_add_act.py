@@ -11,8 +11,8 @@ from fleetc.cli import main
 from fleetc.codegen.triton import add_act
 from fleetc.codegen.triton.launch import cache_dir, kernel_for
 from fleetc.ir.program import Op, Ref, Var
+from fleetc.ir.registry import resolve_callable
 from fleetc.ops import fused_add_act
-from fleetc.ops.registry import resolve_callable
 
 # (activation, its constant): every activation the pass fuses
 ACTS = [("relu", None), ("gelu", "none"), ("gelu", "tanh"), ("silu", None), ("sigmoid", None),

@@ -11,13 +11,22 @@ import pytest
 import torch
 import triton.language  # noqa: F401  (imported before TRITON_INTERPRET is set, as in test_triton_kernels.py)
 
-from fleetc.codegen.triton.dropout import (FORWARD_KERNEL, MUL_KERNEL, run_fused_dropout_add_philox,
-                                           run_philox_dropout_mul)
 from fleetc.codegen.triton import dropout, launch
+from fleetc.codegen.triton.dropout import (
+    FORWARD_KERNEL,
+    MUL_KERNEL,
+    run_fused_dropout_add_philox,
+    run_philox_dropout_mul,
+)
 from fleetc.codegen.triton.launch import cache_dir, load_kernel
-from fleetc.ops.dropout_philox import (dropout_scale, fused_dropout_add_philox, keep_mask, philox_dropout_mul,
-                                       philox_uniform)
-from fleetc.ops.registry import resolve_callable
+from fleetc.ir.registry import resolve_callable
+from fleetc.ops.dropout_philox import (
+    dropout_scale,
+    fused_dropout_add_philox,
+    keep_mask,
+    philox_dropout_mul,
+    philox_uniform,
+)
 
 RATES = [0.0, 0.1, 0.5, 0.999, 1.0]
 LOW_PRECISION = {torch.bfloat16: dict(rtol=2e-2, atol=2e-3), torch.float16: dict(rtol=2e-3, atol=1e-4)}

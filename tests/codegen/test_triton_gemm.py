@@ -12,16 +12,16 @@ import json
 import pytest
 import torch
 import triton.language  # noqa: F401  (imported before TRITON_INTERPRET is set: the worst case, on purpose)
+from conftest import run_side_by_side
 
 import fleetc
-from conftest import run_side_by_side
 from fleetc.cli import main
 from fleetc.codegen.triton import gemm, program_kernels
 from fleetc.codegen.triton.launch import cache_dir
 from fleetc.ir.program import Ref
+from fleetc.ir.registry import resolve_callable
 from fleetc.ops import fused_gemm
 from fleetc.ops.activations import ACTIVATIONS
-from fleetc.ops.registry import resolve_callable
 
 FP32 = dict(rtol=1e-5, atol=1e-5)
 BF16 = dict(rtol=2e-2, atol=3e-2)

@@ -14,17 +14,23 @@ import json
 import pytest
 import torch
 import triton.language  # noqa: F401  (imported before TRITON_INTERPRET is set: the worst case, on purpose)
+from conftest import run_side_by_side
+from zoo import ZOO
 
 import fleetc
-from conftest import run_side_by_side
 from fleetc.cli import main
-from fleetc.codegen.triton import format_kernels, lowering, program_kernels
+from fleetc.codegen.triton import format_kernels, program_kernels
 from fleetc.codegen.triton.kernel import generate_kernel
-from fleetc.codegen.triton.launch import cache_dir, launch_spec, load_kernel, run_fused_elementwise
+from fleetc.codegen.triton.launch import (
+    cache_dir,
+    launch_spec,
+    load_kernel,
+    run_fused_elementwise,
+)
 from fleetc.ir.program import OpRole
+from fleetc.ir.registry import resolve_callable
+from fleetc.ops import pointwise as lowering
 from fleetc.ops.fused_elementwise import operand, reference
-from fleetc.ops.registry import resolve_callable
-from zoo import ZOO
 
 FUSED = "fleetc.fused_elementwise"
 LOW_PRECISION = {torch.bfloat16: dict(rtol=2e-2, atol=2e-3), torch.float16: dict(rtol=2e-3, atol=1e-4)}

@@ -12,14 +12,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 import triton.language  # noqa: F401  (imported before TRITON_INTERPRET is set, as in test_triton_kernels.py)
+from conftest import run_side_by_side
 
 import fleetc
-from conftest import run_side_by_side
 from fleetc.codegen.triton import format_kernels, launch, norm, program_kernels
 from fleetc.codegen.triton.launch import cache_dir, load_kernel
+from fleetc.ir.registry import resolve_callable
 from fleetc.ops import fused_norm
 from fleetc.ops.activations import ACTIVATIONS as ACTIVATION_TABLE
-from fleetc.ops.registry import resolve_callable
 
 ACTIVATIONS = [("relu", None), ("gelu", "none"), ("gelu", "tanh"), ("silu", None), ("sigmoid", None),
                ("tanh", None), ("leaky_relu", 0.2), ("scale", 2.0)]

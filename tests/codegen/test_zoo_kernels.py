@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 import torch
+from zoo import OPTIMIZERS, ZOO
 
 import fleetc
-from fleetc.ops.registry import device_kernel, registered_ops
-from fleetc.passes.dropout_rng import AlwaysPhilox, set_dropout_rng_choice
-from fleetc.passes.pipeline import fusion_flags
+from fleetc.ir.registry import device_kernel, registered_ops
+from fleetc.passes.fusion.dropout_rng import AlwaysPhilox, set_dropout_rng_choice
+from fleetc.passes.order import fusion_flags
 from fleetc.runtime import pycodegen
-from zoo import OPTIMIZERS, ZOO
 
 WITH_KERNELS = {name for name, d in registered_ops().items() if "cuda" in d.kernels}
 FP32 = dict(rtol=1e-4, atol=1e-5)

@@ -66,7 +66,7 @@ def start(world: int, worker: str, args: dict, out_dir: pathlib.Path, deadline_s
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), OMP_NUM_THREADS="1", FLEETC_COLLECTIVE_TIMEOUT=str(collective_timeout_s),
                    PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS)]))
-        command = [sys.executable, "-m", "distributed.workers", worker, json.dumps(args), str(out_dir)]
+        command = [sys.executable, "-m", "fleet.workers", worker, json.dumps(args), str(out_dir)]
         logs.append(out_dir / f"rank{rank}.log")
         with logs[-1].open("w") as log:  # a file, not a pipe: a chatty rank never blocks on a full pipe
             procs.append(subprocess.Popen(command, env=env, cwd=TESTS, stdout=log, stderr=subprocess.STDOUT))

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from distributed.spawn import assert_all_ok, spawn
-from distributed.workers import global_batches, make_model, shard
 from zoo import OPTIMIZERS, ZOO
+
+from fleet.spawn import assert_all_ok, spawn
+from fleet.workers import global_batches, make_model, shard
 
 
 def reference(config: dict, world: int, initial: dict, per_shard_batch_norm: bool) -> tuple[list, dict]:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from distributed.spawn import start
+from fleet.spawn import start
 
 TIMEOUT_S = 4.0
 

@@ -7,15 +7,15 @@ import sys
 
 import pytest
 import torch
+from conftest import eager_step
+from zoo import OPTIMIZERS, ZOO
 
 import fleetc
 import fleetc.fleet as fleet
-from conftest import eager_step
-from distributed.spawn import ROOT
+from fleet.spawn import ROOT
 from fleetc.cli import build_parser, main
-from fleetc.distributed.launch import torchrun_arguments
 from fleetc.errors import FleetcError
-from zoo import OPTIMIZERS, ZOO
+from fleetc.fleet.launch import torchrun_arguments
 
 
 @pytest.fixture
@@ -87,7 +87,7 @@ def test_distributed_model_in_one_process_trains_like_eager(single_fleet, tmp_pa
 
 
 def test_compile_with_a_distributed_optimizer_gives_a_data_parallel_trainer(single_fleet):
-    from fleetc.distributed.trainer import DataParallelTrainer
+    from fleetc.fleet.trainer import DataParallelTrainer
 
     model = ZOO["mlp"].make_model()
     opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))

@@ -1,4 +1,4 @@
-"""Worker bodies the multi-process tests run (`python -m distributed.workers NAME ARGS_JSON OUT_DIR`, one per rank)."""
+"""Worker bodies the multi-process tests run (`python -m fleet.workers NAME ARGS_JSON OUT_DIR`, one per rank)."""
 from __future__ import annotations
 
 import json
@@ -8,11 +8,11 @@ import time
 
 import torch
 from torch import nn
+from zoo import OPTIMIZERS, ZOO
 
 import fleetc
 import fleetc.fleet as fleet
 from fleetc import CollectiveError
-from zoo import OPTIMIZERS, ZOO
 
 
 def global_batches(zoo_name: str, steps: int) -> list:

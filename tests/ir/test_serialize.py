@@ -11,7 +11,13 @@ from zoo import OPTIMIZERS, ZOO
 
 import fleetc
 from fleetc.ir.program import Op, OpRole, Program, Ref, Var, VarKind
-from fleetc.ir.serialize import FORMAT_VERSION, from_dict, program_from_json, program_to_json, to_dict
+from fleetc.ir.serialize import (
+    FORMAT_VERSION,
+    from_dict,
+    program_from_json,
+    program_to_json,
+    to_dict,
+)
 from fleetc.ir.verifier import verify
 from fleetc.runtime.pycodegen import generate_step
 

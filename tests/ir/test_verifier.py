@@ -4,13 +4,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from zoo import MLP
 
 import fleetc
 import fleetc.compiler as compiler
 from fleetc.ir.program import Block, Op, OpRole, Ref, Var
 from fleetc.ir.verifier import verify
 from fleetc.passes.base import PassReport
-from zoo import MLP
 
 
 @pytest.fixture
@@ -118,8 +118,8 @@ class _BreakingPass:
 
 
 def test_verify_instrument_names_the_pass_that_broke_the_program(monkeypatch):
-    original = compiler.build_pipeline
-    monkeypatch.setattr(compiler, "build_pipeline",
+    original = compiler.ordered_passes
+    monkeypatch.setattr(compiler, "ordered_passes",
                         lambda config, **options: [_BreakingPass(), *original(config, **options)])
     trainer = fleetc.compile(MLP(), loss_fn=F.cross_entropy, verify=True)
     with pytest.raises(fleetc.VerificationError, match="after pass 'breaks_things'"):

@@ -1,17 +1,16 @@
 """Baseline passes (no-op view removal, DCE) on small before/after fixtures, and the manager's bookkeeping."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F
+from zoo import MLP, ZOO
 
 import fleetc
 from fleetc.ir.program import Op, OpRole, Program, Ref, Var, VarKind
 from fleetc.ir.verifier import verify
-from fleetc.passes.dce import DeadCodeElimination
-from fleetc.passes.noop_views import RemoveNoopViews
-from zoo import MLP, ZOO
+from fleetc.passes.cleanup.dce import DeadCodeElimination
+from fleetc.passes.cleanup.noop_views import RemoveNoopViews
 
 
 def _fixture() -> Program:

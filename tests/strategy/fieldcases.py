@@ -7,7 +7,15 @@ from typing import Any
 from fleetc.strategy import DistributedStrategy
 from fleetc.strategy.distributed import DISTRIBUTED_SCHEMA
 from fleetc.strategy.fields import Field, Section
-from fleetc.strategy.kinds import Bool, Checkpoints, Choice, Float, Int, ListOf, Nullable
+from fleetc.strategy.kinds import (
+    Bool,
+    Checkpoints,
+    Choice,
+    Float,
+    Int,
+    ListOf,
+    Nullable,
+)
 
 FIELDS: dict[str, Field] = DISTRIBUTED_SCHEMA.fields
 PATHS = sorted(FIELDS)

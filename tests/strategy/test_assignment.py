@@ -8,7 +8,13 @@ import pickle
 import pytest
 
 from fleetc.errors import StrategyError
-from fleetc.strategy import BuildStrategy, DistributedStrategy, ExecutionStrategy, Strategy, UnknownFieldError
+from fleetc.strategy import (
+    BuildStrategy,
+    DistributedStrategy,
+    ExecutionStrategy,
+    Strategy,
+    UnknownFieldError,
+)
 
 
 def test_unknown_field_names_the_closest_valid_one():

@@ -7,8 +7,17 @@ import pickle
 import pytest
 
 from fleetc.errors import StrategyError
-from fleetc.strategy import (BuildStrategy, Decision, DistributedStrategy, ExecutionStrategy, Strategy,
-                             StrategyConfig, UnknownFieldError, resolve_conflicts, resolve_strategy)
+from fleetc.strategy import (
+    BuildStrategy,
+    Decision,
+    DistributedStrategy,
+    ExecutionStrategy,
+    Strategy,
+    StrategyConfig,
+    UnknownFieldError,
+    resolve_conflicts,
+    resolve_strategy,
+)
 
 from .fieldcases import FIELDS, PATHS, good_value, set_path
 

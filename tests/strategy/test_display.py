@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from fleetc.strategy import BuildStrategy, DistributedStrategy, Strategy, resolve_strategy
+from fleetc.strategy import (
+    BuildStrategy,
+    DistributedStrategy,
+    Strategy,
+    resolve_strategy,
+)
 
 
 def sample() -> DistributedStrategy:

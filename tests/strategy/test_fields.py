@@ -7,7 +7,15 @@ import pytest
 from fleetc.errors import StrategyError
 from fleetc.strategy import BuildStrategy, DistributedStrategy, ExecutionStrategy
 
-from .fieldcases import FIELDS, PATHS, get_path, good_value, out_of_range, set_path, wrong_types
+from .fieldcases import (
+    FIELDS,
+    PATHS,
+    get_path,
+    good_value,
+    out_of_range,
+    set_path,
+    wrong_types,
+)
 
 # Written out from reference/strategy_defaults.md (proto column), independently of the field table.
 EXPECTED_DEFAULTS = {

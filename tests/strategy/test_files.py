@@ -7,9 +7,14 @@ import os
 import pytest
 
 from fleetc.errors import StrategyError
-from fleetc.strategy import (BuildStrategy, DistributedStrategy, ExecutionStrategy, load_strategy_file,
-                             resolve_strategy)
-from fleetc.strategy import atomic
+from fleetc.strategy import (
+    BuildStrategy,
+    DistributedStrategy,
+    ExecutionStrategy,
+    atomic,
+    load_strategy_file,
+    resolve_strategy,
+)
 from fleetc.strategy.textformat import parse
 
 from .fieldcases import FIELDS, PATHS, good_value, set_path

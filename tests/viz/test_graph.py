@@ -7,10 +7,10 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from zoo import MLP
 
 import fleetc
 from fleetc.viz.graph import program_graph
-from zoo import MLP
 
 
 @pytest.fixture(scope="module")

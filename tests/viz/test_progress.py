@@ -9,12 +9,12 @@ import types
 
 import torch
 import torch.nn.functional as F
+from zoo import MLP
 
 import fleetc
-import fleetc.viz.progress as progress
-from fleetc.passes.pipeline import build_pipeline
+import fleetc.passes.progress as progress
+from fleetc.passes.order import ordered_passes
 from fleetc.strategy import resolve_strategy
-from zoo import MLP
 
 
 class Terminal(io.StringIO):
@@ -36,7 +36,7 @@ def test_a_slow_compile_shows_each_stage_then_done(monkeypatch) -> None:
     monkeypatch.setattr("sys.stderr", terminal)
     _compile_mlp()
     text = terminal.getvalue()
-    stages = ["capture", *(p.name for p in build_pipeline(resolve_strategy(None))), "codegen"]
+    stages = ["capture", *(p.name for p in ordered_passes(resolve_strategy(None))), "codegen"]
     assert f"fleetc: compiling the train step: {len(stages)} stages done" in text
     assert text.rstrip().endswith("done") and text.endswith("\n")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from fleetc.cli import main
-from fleetc.passes.pipeline import build_pipeline
+from fleetc.passes.order import ordered_passes
 from fleetc.strategy import resolve_conflicts, resolve_strategy
 
 WINDOW = (1280, 2000)
@@ -83,7 +83,7 @@ def test_gpt_report_opens_in_chromium_and_shows_every_pass(tmp_path, capsys) -> 
     report = tmp_path / "report.html"
     assert main(["dump-ir", "cli_factories:gpt", "--format", "html", "--out", str(report)]) == 0
     assert capsys.readouterr().err == ""
-    passes = ["capture", *(p.name for p in build_pipeline(resolve_conflicts(resolve_strategy(None))[0]))]
+    passes = ["capture", *(p.name for p in ordered_passes(resolve_conflicts(resolve_strategy(None))[0]))]
 
     dom = _headless(binary, tmp_path / "profile", "--dump-dom", report.as_uri())
     assert dom.returncode == 0, dom.stderr[-2000:]

@@ -7,6 +7,7 @@ from html.parser import HTMLParser
 import pytest
 import torch
 import torch.nn.functional as F
+from zoo import MLP
 
 import fleetc
 from fleetc.ir.liveness import estimate_memory
@@ -15,7 +16,6 @@ from fleetc.passes.base import PassReport
 from fleetc.passes.manager import History, PassRecord
 from fleetc.viz.changes import ADDED, CHANGED, REMOVED, compare_programs
 from fleetc.viz.program_view import OPEN_ALL_UP_TO
-from zoo import MLP
 
 
 class _Elements(HTMLParser):

@@ -9,7 +9,7 @@ import torch
 
 from fleetc.codegen.triton.kernel import KernelSource, generate_kernel
 from fleetc.ir.program import Op, Program, Ref, Var
-from fleetc.ops.registry import import_target, registered_ops
+from fleetc.ir.registry import import_target, registered_ops
 
 
 def fused_elementwise_sources(op: Op, inputs: list[Var | None]) -> list[KernelSource]:

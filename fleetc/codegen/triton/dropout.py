@@ -18,7 +18,12 @@ from typing import Callable
 import torch
 
 from fleetc.codegen.triton.kernel import KernelSource
-from fleetc.codegen.triton.launch import Launcher, block_sizes, interpreting, load_kernel
+from fleetc.codegen.triton.launch import (
+    Launcher,
+    block_sizes,
+    interpreting,
+    load_kernel,
+)
 from fleetc.ir.program import Op, Var
 from fleetc.ops.dropout_philox import dropout_scale, is_training, new_rng_state
 

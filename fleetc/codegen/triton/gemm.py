@@ -24,11 +24,11 @@ from typing import Any, Callable
 import torch
 
 from fleetc.codegen.triton.kernel import KernelSource
-from fleetc.codegen.triton.launch import Launcher, next_pow2, interpreting, load_kernel
-from fleetc.codegen.triton.lowering import activation_expression, activation_grad_expression
+from fleetc.codegen.triton.launch import Launcher, interpreting, load_kernel, next_pow2
 from fleetc.ir.program import Op, Var
 from fleetc.ops import fused_gemm
 from fleetc.ops.activations import ACTIVATIONS
+from fleetc.ops.pointwise import activation_expression, activation_grad_expression
 
 OUTPUT_TILE_MAX = 64  # rows and columns of a program's output tile
 DEPTH_TILE_MAX = 32  # elements of the summed dimension loaded per loop iteration

@@ -14,8 +14,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from fleetc.codegen.triton.lowering import REDUCTIONS, LoweringError, constant, lower
 from fleetc.ops.fused_elementwise import operand_index
+from fleetc.ops.pointwise import REDUCTIONS, LoweringError, constant, lower
 
 _FLOAT_DTYPES = {"float32", "float16", "bfloat16"}
 

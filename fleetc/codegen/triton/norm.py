@@ -27,9 +27,9 @@ import torch
 
 from fleetc.codegen.triton.kernel import KernelSource
 from fleetc.codegen.triton.launch import block_sizes, launch, load_kernel
-from fleetc.codegen.triton.lowering import activation_expression, activation_grad_expression
 from fleetc.ir.program import Op, Var
 from fleetc.ops.activations import ACTIVATIONS
+from fleetc.ops.pointwise import activation_expression, activation_grad_expression
 
 # Reduction heuristic: each (channel, chunk) program loops over blocks of up to STATS_MAX_BLOCK elements, about
 # MIN_BLOCKS_PER_CHUNK of them (more once a channel has MAX_SPLIT chunks): many programs even when C is small.

@@ -7,7 +7,7 @@ import torch
 
 from fleetc.ir.liveness import block_reads
 from fleetc.ir.program import Block, Op, Program, VarKind
-from fleetc.ops.registry import resolve_callable
+from fleetc.ir.registry import resolve_callable
 from fleetc.passes.base import PassReport
 
 

@@ -5,7 +5,7 @@ from typing import Any
 
 from fleetc.ir.program import Op, Program, Ref, VarKind
 from fleetc.passes.base import PassReport
-from fleetc.passes.dce import drop_unused_temporaries
+from fleetc.passes.cleanup.dce import drop_unused_temporaries
 
 _IDENTITY = {"aten.detach.default", "aten.alias.default", "aten.clone.default", "aten.lift_fresh_copy.default",
              "aten._to_copy.default"}

@@ -12,15 +12,26 @@ from typing import Any
 
 import torch
 
-from fleetc.distributed.collectives import FLAT, HIERARCHICAL
-from fleetc.distributed.groups import group_partitions
+from fleetc.comm.collectives import FLAT, HIERARCHICAL
+from fleetc.comm.groups import group_partitions
 from fleetc.errors import StrategyError
 from fleetc.ir.program import Op, OpRole, Program, Ref, Var, VarKind
-from fleetc.passes.allreduce_merged import insert_update_block_allreduces, merged_values, note_moved
-from fleetc.passes.allreduce_common import (ALLOC, GRAD_SUFFIX, LOCAL_SUFFIX, SINGLE_PROCESS, START, WAIT,
-                                            common_module, var_numel)
 from fleetc.passes.base import PassReport
-
+from fleetc.passes.data_parallel.common import (
+    ALLOC,
+    GRAD_SUFFIX,
+    LOCAL_SUFFIX,
+    SINGLE_PROCESS,
+    START,
+    WAIT,
+    common_module,
+    var_numel,
+)
+from fleetc.passes.data_parallel.merged import (
+    insert_update_block_allreduces,
+    merged_values,
+    note_moved,
+)
 
 
 def data_parallel_world(program: Program) -> int:

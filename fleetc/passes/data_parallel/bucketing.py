@@ -16,10 +16,21 @@ from typing import Any
 
 from fleetc.ir.liveness import block_reads
 from fleetc.ir.program import Op, Program
-from fleetc.passes.allreduce import ALLOC, SINGLE_PROCESS, START, WAIT, allreduce_ops, data_parallel_world
-from fleetc.passes.allreduce_merged import insert_update_block_allreduces, merged_values, note_moved, \
-    update_block_allreduces
 from fleetc.passes.base import PassReport
+from fleetc.passes.data_parallel.allreduce import (
+    ALLOC,
+    SINGLE_PROCESS,
+    START,
+    WAIT,
+    allreduce_ops,
+    data_parallel_world,
+)
+from fleetc.passes.data_parallel.merged import (
+    insert_update_block_allreduces,
+    merged_values,
+    note_moved,
+    update_block_allreduces,
+)
 
 MB = 1 << 20
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from fleetc.ir.program import Block, Op, OpRole, Program, Ref, Var
-from fleetc.passes import allreduce_common as common
 from fleetc.passes.base import PassReport
+from fleetc.passes.data_parallel import common
 
 WAIT_INTO = "fleetc.c_allreduce_wait_into"
 ACCUMULATE = "fleetc.accumulate"

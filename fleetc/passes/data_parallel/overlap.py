@@ -10,9 +10,13 @@ from typing import Any
 
 from fleetc.ir.liveness import block_reads
 from fleetc.ir.program import Op, Program
-from fleetc.passes.allreduce import SINGLE_PROCESS, WAIT, data_parallel_world
-from fleetc.passes.allreduce_merged import skip_reason as merged_skip_reason
 from fleetc.passes.base import PassReport
+from fleetc.passes.data_parallel.allreduce import (
+    SINGLE_PROCESS,
+    WAIT,
+    data_parallel_world,
+)
+from fleetc.passes.data_parallel.merged import skip_reason as merged_skip_reason
 
 
 class OverlapAllreduce:

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from fleetc.distributed import sync_batch_norm_ops  # noqa: F401  (registers the op types)
+from fleetc.comm import sync_batch_norm_ops  # noqa: F401  (registers the op types)
 from fleetc.ir.program import OpRole, Program
-from fleetc.passes.allreduce import SINGLE_PROCESS, data_parallel_world
 from fleetc.passes.base import PassReport
+from fleetc.passes.data_parallel.allreduce import SINGLE_PROCESS, data_parallel_world
 
 FORWARD = "aten._native_batch_norm_legit_functional.default"
 BACKWARD = "aten.native_batch_norm_backward.default"

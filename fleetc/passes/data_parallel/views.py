@@ -19,11 +19,17 @@ import torch
 
 from fleetc.ir.liveness import aliased_input, block_reads
 from fleetc.ir.program import Op, OpRole, Program, Ref, Var, VarKind
-from fleetc.ops.registry import resolve_callable
-from fleetc.passes.allreduce import (GRAD_SUFFIX, LOCAL_SUFFIX, SINGLE_PROCESS, START, data_parallel_world,
-                                     var_numel)
-from fleetc.passes.allreduce_merged import skip_reason as merged_skip_reason
+from fleetc.ir.registry import resolve_callable
 from fleetc.passes.base import PassReport
+from fleetc.passes.data_parallel.allreduce import (
+    GRAD_SUFFIX,
+    LOCAL_SUFFIX,
+    SINGLE_PROCESS,
+    START,
+    data_parallel_world,
+    var_numel,
+)
+from fleetc.passes.data_parallel.merged import skip_reason as merged_skip_reason
 
 SLOT = "aten.as_strided.default"
 # Functional overload → its out= overload and out keyword, only where the out overload is a structured kernel

@@ -2,7 +2,7 @@
 
 Every decision about *what* may fuse lives in one overridable object, `FusionChoices` (as Inductor's
 `InductorChoices` does): subclass it and pass an instance to `AutoFusion(choices)`, or install it for
-the pipeline with `set_fusion_choices`. The pass itself only walks each block in order, grows groups
+every compile with `set_fusion_choices`. The pass itself only walks each block in order, grows groups
 from producer to consumer as the choices allow, and rewrites each group worth fusing into one
 `fleetc.fused_elementwise` op placed where its first op was.
 
@@ -17,13 +17,13 @@ from typing import Any
 
 import torch
 
-from fleetc.codegen.triton.lowering import REDUCTIONS, can_lower
 from fleetc.ir.liveness import block_reads
 from fleetc.ir.program import Block, Op, Program, Ref, VarKind, map_refs
+from fleetc.ir.registry import resolve_callable
 from fleetc.ops.fused_elementwise import OPERAND_PREFIX, operand, short_op_name
-from fleetc.ops.registry import resolve_callable
+from fleetc.ops.pointwise import REDUCTIONS, can_lower
 from fleetc.passes.base import PassReport
-from fleetc.passes.dce import drop_unused_temporaries
+from fleetc.passes.cleanup.dce import drop_unused_temporaries
 
 FUSED_OP_TYPE = "fleetc.fused_elementwise"
 
@@ -132,7 +132,7 @@ _current_choices = FusionChoices()
 
 
 def set_fusion_choices(choices: FusionChoices) -> FusionChoices:
-    """Install the heuristic the pipeline's AutoFusion uses; returns the previous one (to restore it)."""
+    """Install the heuristic that AutoFusion uses by default; returns the previous one (to restore it)."""
     global _current_choices
     previous, _current_choices = _current_choices, choices
     return previous

@@ -8,9 +8,20 @@ from typing import Any
 
 from fleetc.ir.program import Op, Program, Ref
 from fleetc.passes.base import PassReport
-from fleetc.passes.dropout_rng import MASK_FORM, PHILOX_MUL, DropoutRngChoice, current_rng_choice, to_philox
-from fleetc.passes.fusion_match import BlockIndex, Fusion, fuse_forward_and_backward, no_match_reason
-from fleetc.passes.recompute_rewrite import PROVENANCE as RECOMPUTE_PROVENANCE
+from fleetc.passes.fusion.dropout_rng import (
+    MASK_FORM,
+    PHILOX_MUL,
+    DropoutRngChoice,
+    current_rng_choice,
+    to_philox,
+)
+from fleetc.passes.fusion.match import (
+    BlockIndex,
+    Fusion,
+    fuse_forward_and_backward,
+    no_match_reason,
+)
+from fleetc.passes.recompute.rewrite import PROVENANCE as RECOMPUTE_PROVENANCE
 
 _DROPOUT = "aten.native_dropout.default"
 

@@ -9,7 +9,7 @@ Two forms of `dropout(x) + residual`:
   in registers inside a Triton kernel on CUDA.
 
 The decision lives in one overridable object, `DropoutRngChoice`: pass an instance to
-`FuseDropoutAdd(rng_choice)` or install one for the pipeline with `set_dropout_rng_choice`.
+`FuseDropoutAdd(rng_choice)` or install one for every compile with `set_dropout_rng_choice`.
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def current_rng_choice() -> DropoutRngChoice:
 
 
 def set_dropout_rng_choice(choice: DropoutRngChoice) -> DropoutRngChoice:
-    """Install the choice the pipeline's FuseDropoutAdd uses; returns the previous one (to restore it)."""
+    """Install the choice that FuseDropoutAdd uses by default; returns the previous one (to restore it)."""
     global _current_choice
     previous, _current_choice = _current_choice, choice
     return previous

@@ -6,9 +6,20 @@ from __future__ import annotations
 from typing import Any
 
 from fleetc.ir.program import Op, Program, Ref
-from fleetc.ops.activations import ACTIVATIONS, grad_saved_arg, is_grad_op, match_activation
+from fleetc.ops.activations import (
+    ACTIVATIONS,
+    grad_saved_arg,
+    is_grad_op,
+    match_activation,
+)
 from fleetc.passes.base import PassReport
-from fleetc.passes.fusion_match import BlockIndex, Fusion, fuse_forward_and_backward, kept, no_match_reason
+from fleetc.passes.fusion.match import (
+    BlockIndex,
+    Fusion,
+    fuse_forward_and_backward,
+    kept,
+    no_match_reason,
+)
 
 _ADDMM = "aten.addmm.default"
 _MM = "aten.mm.default"

@@ -15,7 +15,7 @@ from typing import Callable
 from fleetc.ir.liveness import block_reads
 from fleetc.ir.program import Block, Op, OpRole, Program, Var, VarKind
 from fleetc.passes.base import PassReport
-from fleetc.passes.dce import drop_unused_temporaries
+from fleetc.passes.cleanup.dce import drop_unused_temporaries
 
 
 class BlockIndex:

@@ -6,8 +6,8 @@ precision only when all its float inputs already are (Paddle's promote rule). Ev
 to a given dtype at most once and the cast reused. fleetc ops (optimizer updates, buffer assigns)
 and fetched values get back the dtype capture gave them, so gradients reach the optimizer in
 float32 and parameters stay float32 (master weights). With `use_pure_fp16` the parameters themselves
-become low precision and the updates go through float32 master copies (fleetc/passes/master_weights.py).
-Then dynamic loss scaling is added (fleetc/passes/loss_scaling.py).
+become low precision and the updates go through float32 master copies (precision/master_weights.py).
+Then dynamic loss scaling is added (precision/loss_scaling.py).
 """
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from fleetc.errors import PassError
 from fleetc.ir.liveness import aliased_input
 from fleetc.ir.program import Op, Program, Ref, Var, VarKind, map_refs
-from fleetc.ops.registry import resolve_callable
-from fleetc.passes.amp_lists import AmpLists
+from fleetc.ir.registry import resolve_callable
 from fleetc.passes.base import PassReport
-from fleetc.passes.loss_scaling import insert_loss_scaling
-from fleetc.passes.master_weights import keep_master_weights
+from fleetc.passes.precision.amp_lists import AmpLists
+from fleetc.passes.precision.loss_scaling import insert_loss_scaling
+from fleetc.passes.precision.master_weights import keep_master_weights
 
 FLOAT32 = "float32"
 _CAST_TYPE = "aten._to_copy.default"

@@ -6,9 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from fleetc.capture.to_program import LOSS_VAR, grad_name
-from fleetc.ir.program import Op, OpRole, Program, Ref, Var, VarKind
+from fleetc.ir.program import CONDITIONAL_BLOCK, Op, OpRole, Program, Ref, Var, VarKind
 from fleetc.passes.base import PassReport
-from fleetc.runtime.pycodegen import CONDITIONAL_BLOCK
 
 LOSS_SCALING = "loss_scaling"
 NUM_GOOD_STEPS = "num_good_steps"

@@ -15,9 +15,9 @@ import networkx as nx
 
 from fleetc.errors import PassStrategyError
 from fleetc.ir.liveness import aliased_input
-from fleetc.passes.recompute_checkpoints import checkpoint_plan, module_outputs
-from fleetc.passes.recompute_plan import ForwardRegion, RecomputePlan, recompute_cost
-from fleetc.passes.recompute_policy import Choice, RecomputePolicy
+from fleetc.passes.recompute.checkpoints import checkpoint_plan, module_outputs
+from fleetc.passes.recompute.plan import ForwardRegion, RecomputePlan, recompute_cost
+from fleetc.passes.recompute.policy import Choice, RecomputePolicy
 
 # Saving a view of a temporary keeps its base alive: forbid cutting at the view, so the cut lands on the base.
 _UNCUTTABLE = 2 ** 62

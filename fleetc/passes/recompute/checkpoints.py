@@ -6,7 +6,7 @@ import difflib
 from dataclasses import dataclass
 
 from fleetc.errors import PassStrategyError
-from fleetc.passes.recompute_plan import ForwardRegion, RecomputePlan
+from fleetc.passes.recompute.plan import ForwardRegion, RecomputePlan
 
 FIELD = "recompute_configs.checkpoints"
 

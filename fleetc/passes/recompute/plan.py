@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 from fleetc.ir.liveness import block_reads
 from fleetc.ir.program import Block, Op, OpRole, Program, VarKind
-from fleetc.passes.recompute_policy import DROPOUT, Choice, RecomputePolicy
+from fleetc.passes.recompute.policy import DROPOUT, Choice, RecomputePolicy
 
 
 @dataclass

@@ -12,7 +12,7 @@ import torch
 
 from fleetc.ir.liveness import aliased_input
 from fleetc.ir.program import Block, Op, Program, VarKind
-from fleetc.ops.registry import resolve_callable
+from fleetc.ir.registry import resolve_callable
 
 DROPOUT = "aten.native_dropout.default"
 

@@ -13,11 +13,11 @@ from typing import Any
 from fleetc.ir.liveness import estimate_memory
 from fleetc.ir.program import Program
 from fleetc.passes.base import PassReport
-from fleetc.passes.recompute_auto import budget_plan, min_cut_plan
-from fleetc.passes.recompute_checkpoints import checkpoint_plan
-from fleetc.passes.recompute_plan import ForwardRegion, RecomputePlan, forward_region
-from fleetc.passes.recompute_policy import Choice, RecomputePolicy
-from fleetc.passes.recompute_rewrite import apply_plan
+from fleetc.passes.recompute.auto import budget_plan, min_cut_plan
+from fleetc.passes.recompute.checkpoints import checkpoint_plan
+from fleetc.passes.recompute.plan import ForwardRegion, RecomputePlan, forward_region
+from fleetc.passes.recompute.policy import Choice, RecomputePolicy
+from fleetc.passes.recompute.rewrite import apply_plan
 
 __all__ = ["Choice", "Recompute", "RecomputePolicy"]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fleetc.ir.program import Op, OpRole, Program, Ref, Var
-from fleetc.passes.recompute_plan import ForwardRegion, RecomputePlan, recompute_cost
-from fleetc.passes.recompute_policy import DROPOUT, RecomputePolicy
+from fleetc.passes.recompute.plan import ForwardRegion, RecomputePlan, recompute_cost
+from fleetc.passes.recompute.policy import DROPOUT, RecomputePolicy
 
 PROVENANCE = "recompute"
 DROPOUT_REPLAY = "fleetc.dropout_replay"

@@ -7,20 +7,21 @@ import dataclasses
 
 import pytest
 import torch
+from zoo import OPTIMIZERS, ZOO
 
 import fleetc
-from fleetc.distributed import collectives, trainer as dp_trainer
-from fleetc.distributed.trainer import DataParallelTrainer
+from fleetc.comm import collectives
+from fleetc.fleet import trainer as dp_trainer
+from fleetc.fleet.trainer import DataParallelTrainer
+from fleetc.ir import registry
 from fleetc.ir.liveness import estimate_memory
 from fleetc.ir.program import Program
-from fleetc.ops import registry
-from fleetc.passes.allreduce import START
 from fleetc.passes.base import PassReport
+from fleetc.passes.data_parallel.allreduce import START
 from fleetc.passes.instruments import VerifyInstrument
 from fleetc.passes.manager import History, PassManager, PassRecord
-from fleetc.passes.pipeline import build_pipeline
+from fleetc.passes.order import ordered_passes
 from fleetc.strategy import resolve_strategy
-from zoo import OPTIMIZERS, ZOO
 
 
 def captured_program(zoo_name: str) -> Program:
@@ -35,7 +36,7 @@ def captured_program(zoo_name: str) -> Program:
 
 
 def run_data_parallel_passes(program: Program, world: int = 2, **fields) -> tuple[Program, History]:
-    """The default pipeline (without no-op view removal) on a copy of `program` stamped as `world` ranks."""
+    """The default pass order (without no-op view removal) on a copy of `program` stamped as `world` ranks."""
     program = program.clone()
     program.metadata["data_parallel"] = {"world_size": world}
     strategy = fleetc.DistributedStrategy()
@@ -43,7 +44,7 @@ def run_data_parallel_passes(program: Program, world: int = 2, **fields) -> tupl
         setattr(strategy, key, value)
     history = History([PassRecord("start", program, PassReport("start"), 0.0, estimate_memory(program))])
     config = resolve_strategy(strategy)
-    passes = [p for p in build_pipeline(config) if p.name != "remove_noop_views"]  # the fixture ran it already
+    passes = [p for p in ordered_passes(config) if p.name != "remove_noop_views"]  # the fixture ran it already
     final = PassManager(passes, [VerifyInstrument()]).run(program, config, history)
     return final, history
 

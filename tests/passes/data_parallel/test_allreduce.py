@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import pytest
+from dp_helpers import captured_program, run_data_parallel_passes
 
 from fleetc.errors import PassError
 from fleetc.ir.program import OpRole, Program
-from fleetc.passes.allreduce import START, WAIT, gradient_vars
-from fleetc.passes.allreduce_fusion import MB, plan_buckets
-from passes.dp_helpers import captured_program, run_data_parallel_passes
+from fleetc.passes.data_parallel.allreduce import START, WAIT, gradient_vars
+from fleetc.passes.data_parallel.bucketing import MB, plan_buckets
 
 
 @pytest.fixture(scope="module")

@@ -1,20 +1,24 @@
 """Gradient merge under data parallel: merged gradients are allreduced once per k steps, inside the update block."""
 from __future__ import annotations
 
-
 import pytest
 import torch
+from dp_helpers import (  # noqa: F401  (a fixture)
+    _Done,
+    captured_program,
+    one_rank_transport,
+    run_data_parallel_passes,
+    simulated_rank,
+)
+from zoo import ZOO
 
 import fleetc
-from fleetc.distributed import collectives
-from fleetc.distributed.plan import collective_plan
+from fleetc.comm import collectives
+from fleetc.comm.plan import collective_plan
 from fleetc.ir.program import OpRole, Program
-from fleetc.ops.registry import resolve_callable
-from fleetc.passes.allreduce import START
-from fleetc.passes.allreduce_merged import WAIT_INTO
-from passes.dp_helpers import (_Done, captured_program, one_rank_transport,  # noqa: F401  (a fixture)
-                                run_data_parallel_passes, simulated_rank)
-from zoo import ZOO
+from fleetc.ir.registry import resolve_callable
+from fleetc.passes.data_parallel.allreduce import START
+from fleetc.passes.data_parallel.merged import WAIT_INTO
 
 MERGE = {"gradient_merge": True, "gradient_merge_configs": {"k_steps": 2}}
 

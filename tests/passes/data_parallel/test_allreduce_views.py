@@ -6,20 +6,24 @@ import pathlib
 import pytest
 import torch
 import torchgen
+from conftest import eager_step
+from dp_helpers import (  # noqa: F401  (a fixture)
+    captured_program,
+    one_rank_transport,
+    run_data_parallel_passes,
+    simulated_rank,
+)
+from zoo import ZOO
 
 import fleetc
-from conftest import eager_step
-from fleetc.distributed import collectives
+from fleetc.comm import collectives
 from fleetc.ir.liveness import view_vars
 from fleetc.ir.program import Op, OpRole, Ref, Var
+from fleetc.ir.registry import resolve_callable
 from fleetc.ir.verifier import verify
-from fleetc.ops.registry import resolve_callable
-from fleetc.passes.allreduce import START
-from fleetc.passes.allreduce_views import OUT_KERNELS, SLOT, AllreduceViews
+from fleetc.passes.data_parallel.allreduce import START
+from fleetc.passes.data_parallel.views import OUT_KERNELS, SLOT, AllreduceViews
 from fleetc.strategy import resolve_strategy
-from passes.dp_helpers import (captured_program, one_rank_transport,  # noqa: F401  (a fixture)
-                                run_data_parallel_passes, simulated_rank)
-from zoo import ZOO
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 import fleetc
-from fleetc.passes.pipeline import fusion_flags
+from fleetc.passes.order import fusion_flags
 
 FUSION_FLAGS = tuple(fusion_flags())
 

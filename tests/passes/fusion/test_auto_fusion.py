@@ -5,16 +5,16 @@ import functools
 
 import pytest
 import torch
+from conftest import run_side_by_side
 from torch import nn
 
 import fleetc
-from conftest import run_side_by_side
 from fleetc.ir.program import Op, OpRole, Program, Ref, Var, VarKind
 from fleetc.ir.serialize import program_from_json, program_to_json
 from fleetc.ir.verifier import verify
 from fleetc.ops.fused_elementwise import reference
-from fleetc.passes.auto_fusion import AutoFusion, FusionChoices, set_fusion_choices
-from fleetc.passes.dce import DeadCodeElimination
+from fleetc.passes.cleanup.dce import DeadCodeElimination
+from fleetc.passes.fusion.auto import AutoFusion, FusionChoices, set_fusion_choices
 from fleetc.runtime.pycodegen import generate_step
 
 FUSED = "fleetc.fused_elementwise"
@@ -63,7 +63,7 @@ def test_auto_fusion_matches_eager_and_fuses_the_expected_groups(zoo_name, optim
         assert unfused.num_ops() == ops_before
 
 
-def test_pipeline_has_no_auto_fusion_when_the_flag_is_off():
+def test_pass_order_has_no_auto_fusion_when_the_flag_is_off():
     run = run_side_by_side("mlp", "sgd", steps=1, strategy=auto_fusion(False))
     assert run.trainer.program.num_ops() == EXPECTED["mlp"][0]
     assert "auto_fusion" not in run.trainer.history.names()
@@ -139,7 +139,7 @@ def test_the_heuristic_object_decides_what_fuses():
     program = _fused_program("cnn").history["remove_noop_views"].program
     previous = set_fusion_choices(_LongChains())
     try:
-        _, report = AutoFusion().run(program.clone(), None)  # the pipeline's pass uses the installed choices
+        _, report = AutoFusion().run(program.clone(), None)  # the default pass uses the installed choices
     finally:
         set_fusion_choices(previous)
     assert report.stats == {"groups": 1, "ops_fused": 3, "reductions_fused": 1}

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import pytest
-from fusion_helpers import FUSION_FLAGS, fusion_strategy
-
 from conftest import run_side_by_side
-from fleetc.ops import registered_ops
+from fusion_helpers import FUSION_FLAGS, fusion_strategy
 from zoo import ZOO
+
+from fleetc.ops import registered_ops
 
 # zoo model → pass → (forward groups, backward groups) fused with every flag on; passes absent here must
 # report why they did nothing. Optimizer fusion: (fused ops, parameters they update).

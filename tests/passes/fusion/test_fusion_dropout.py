@@ -6,18 +6,22 @@ import math
 
 import pytest
 import torch
+from conftest import run_side_by_side
 from fusion_helpers import fusion_strategy, op_types, stats
+from zoo import OPTIMIZERS, ZOO
 
 import fleetc
-from conftest import run_side_by_side
 from fleetc.codegen.triton import program_kernels
 from fleetc.ir.liveness import estimate_memory
 from fleetc.ir.program import Op, OpRole, Program, Ref, Var, VarKind
 from fleetc.ir.verifier import verify
 from fleetc.ops.fused_add_act import fused_dropout_add, fused_dropout_add_grad
-from fleetc.passes.dropout_rng import AlwaysPhilox, DropoutRngChoice, set_dropout_rng_choice
-from fleetc.passes.fusion_dropout import FuseDropoutAdd
-from zoo import OPTIMIZERS, ZOO
+from fleetc.passes.fusion.dropout import FuseDropoutAdd
+from fleetc.passes.fusion.dropout_rng import (
+    AlwaysPhilox,
+    DropoutRngChoice,
+    set_dropout_rng_choice,
+)
 
 aten = torch.ops.aten
 

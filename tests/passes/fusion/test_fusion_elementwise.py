@@ -6,15 +6,15 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import run_side_by_side
 from fusion_helpers import fusion_strategy, op_types, stats
 from torch import nn
 
 import fleetc
-from conftest import run_side_by_side
 from fleetc.ops.activations import ACTIVATIONS
 from fleetc.ops.fused_add_act import fused_elemwise_add_act, fused_elemwise_add_act_grad
-from fleetc.passes.fusion_elementwise import FuseElementwiseAddAct
-from fleetc.passes.fusion_norm import FuseBnAddAct
+from fleetc.passes.fusion.elementwise import FuseElementwiseAddAct
+from fleetc.passes.fusion.norm import FuseBnAddAct
 
 # (activation, its constant, the torch function a user writes)
 CASES = [
@@ -70,7 +70,7 @@ def test_cnn_residual_add_relu_fuses_alone_but_yields_to_bn_add_act():
     alone.assert_same()
     assert stats(alone.trainer, "fuse_elewise_add_act") == {"forward_groups": 2, "backward_groups": 2,
                                                            "ops_removed": 2}
-    # bn+add+act runs first and claims the same adds: the outcome is fixed by pipeline order, every time
+    # bn+add+act runs first and claims the same adds: the outcome is fixed by pass order, every time
     both = run_side_by_side("cnn", "sgd", steps=2,
                             strategy=fusion_strategy("fuse_elewise_add_act_ops", "fuse_bn_add_act_ops"))
     both.assert_same()

@@ -6,17 +6,17 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import run_side_by_side
 from fusion_helpers import assert_close_all, fusion_strategy, op_types, stats
 from torch import nn
 from zoo import ZOO, ZooEntry
 
 import fleetc
-from conftest import run_side_by_side
 from fleetc.ir.program import Op, OpRole, Ref, Var
 from fleetc.ir.serialize import program_from_json, program_to_json
 from fleetc.ir.verifier import verify
 from fleetc.ops.fused_gemm import fused_gemm_epilogue, fused_gemm_epilogue_grad
-from fleetc.passes.fusion_gemm import FuseGemmEpilogue
+from fleetc.passes.fusion.gemm import FuseGemmEpilogue
 from fleetc.runtime.pycodegen import generate_step
 
 aten = torch.ops.aten

@@ -5,12 +5,12 @@ import copy
 
 import pytest
 import torch
+from conftest import run_side_by_side
 from fusion_helpers import assert_close_all, fusion_strategy, op_types, stats
+from zoo import ZOO
 
 import fleetc
-from conftest import run_side_by_side
 from fleetc.ops.fused_norm import fused_bn_act, fused_bn_act_grad, fused_bn_add_act
-from zoo import ZOO
 
 aten = torch.ops.aten
 

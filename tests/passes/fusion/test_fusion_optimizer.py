@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import run_side_by_side
 from fusion_helpers import fusion_strategy, op_types, stats
+from zoo import OPTIMIZERS, ZOO
 
 import fleetc
-from conftest import run_side_by_side
 from fleetc.ops.fused_optimizer import fused_adam, fused_sgd
 from fleetc.ops.optimizer import adam, sgd
-from zoo import OPTIMIZERS, ZOO
 
 
 @pytest.mark.parametrize("optimizer_name", sorted(OPTIMIZERS))

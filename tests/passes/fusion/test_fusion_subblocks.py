@@ -4,22 +4,31 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import run_side_by_side
 from fusion_helpers import fusion_strategy, stats
-from test_amp_pure import pure_strategy
-from test_gradient_merge import assert_same_state, eager_accumulation, run_merged
+from helpers.amp import pure_strategy
+from helpers.gradient_merge import assert_same_state, eager_accumulation, run_merged
+from zoo import OPTIMIZERS, ZOO
 
 import fleetc
-from conftest import run_side_by_side
 from fleetc.ir.liveness import block_reads, block_writes, last_use_index
-from fleetc.ir.program import CONDITIONAL_BLOCK, Block, Op, OpRole, Program, Ref, Var, VarKind
+from fleetc.ir.program import (
+    CONDITIONAL_BLOCK,
+    Block,
+    Op,
+    OpRole,
+    Program,
+    Ref,
+    Var,
+    VarKind,
+)
 from fleetc.ir.verifier import verify
-from fleetc.passes.auto_fusion import FUSED_OP_TYPE, AutoFusion
-from fleetc.passes.fusion_elementwise import FuseElementwiseAddAct
-from fleetc.passes.fusion_optimizer import FuseOptimizerOps
-from fleetc.passes.recompute_plan import forward_region
-from fleetc.passes.recompute_policy import RecomputePolicy
+from fleetc.passes.fusion.auto import FUSED_OP_TYPE, AutoFusion
+from fleetc.passes.fusion.elementwise import FuseElementwiseAddAct
+from fleetc.passes.fusion.optimizer import FuseOptimizerOps
+from fleetc.passes.recompute.plan import forward_region
+from fleetc.passes.recompute.policy import RecomputePolicy
 from fleetc.runtime.pycodegen import generate_step
-from zoo import OPTIMIZERS, ZOO
 
 UPDATE_TYPES = {"fleetc.sgd", "fleetc.adam"}
 FUSED_TYPE = {"sgd": "fleetc.fused_sgd", "momentum": "fleetc.fused_sgd", "adam": "fleetc.fused_adam",
@@ -81,7 +90,7 @@ def assert_bit_identical(fused: fleetc.CompiledTrainer, unfused: fleetc.Compiled
 # ----- the zoo under AMP, gradient merge and both ---------------------------------------------------
 @pytest.mark.parametrize("optimizer_name", sorted(FUSED_TYPE))
 def test_amp_skip_block_updates_are_fused_and_training_matches(optimizer_name):
-    """bf16: bit-identical to unfused AMP, losses within 5% of eager fp32 (as tests/passes/test_amp.py; bf16
+    """bf16: bit-identical to unfused AMP, losses within 5% of eager fp32 (as tests/passes/precision/test_amp.py; bf16
     parameters drift too far under Adam for a useful bound). With every white op black-listed AMP computes
     in float32 (scaling by a power of two is exact), so the fused skip block must match eager to fp32 tolerance."""
     run = run_side_by_side("mlp", optimizer_name, steps=3, strategy=strategy(True, amp=True))

@@ -5,34 +5,19 @@ import copy
 
 import pytest
 import torch
+from conftest import run_side_by_side
+from helpers.amp import amp_strategy, amp_trainer, poisoned
 from torch.utils._python_dispatch import TorchDispatchMode
+from zoo import OPTIMIZERS, ZOO
 
 import fleetc
-from conftest import run_side_by_side
 from fleetc.ir.program import VarKind
 from fleetc.ir.serialize import program_from_json, program_to_json
 from fleetc.ops.amp import check_finite_and_unscale, update_loss_scaling
-from fleetc.passes.amp_lists import DEFAULT_BLACK
-from zoo import OPTIMIZERS, ZOO
+from fleetc.passes.precision.amp_lists import DEFAULT_BLACK
 
 MATMULS = ("aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.convolution.default",
            "aten.convolution_backward.default")
-
-
-def amp_strategy(**configs) -> fleetc.DistributedStrategy:
-    strategy = fleetc.DistributedStrategy()
-    strategy.amp = True
-    if configs:
-        strategy.amp_configs = configs
-    return strategy
-
-
-def amp_trainer(zoo_name: str = "mlp", optimizer: str = "sgd", **configs):
-    entry = ZOO[zoo_name]
-    torch.manual_seed(0)
-    model = entry.make_model()
-    opt = OPTIMIZERS[optimizer](model.parameters())
-    return fleetc.compile(model, amp_strategy(**configs), optimizer=opt, loss_fn=entry.loss_fn, verify=True), entry
 
 
 def float_dtypes(program, op) -> set[str]:
@@ -43,13 +28,6 @@ def float_dtypes(program, op) -> set[str]:
 def counters(trainer) -> tuple[float, int, int]:
     c = trainer.counters
     return float(c["loss_scaling"]), int(c["num_good_steps"]), int(c["num_bad_steps"])
-
-
-def poisoned(args: tuple) -> tuple:
-    """The batch with one inf input value: every gradient of the step becomes inf or nan."""
-    x = args[0].clone()
-    x.view(-1)[0] = float("inf")
-    return (x, *args[1:])
 
 
 # ----- the loss-scaling rule ------------------------------------------------------------------

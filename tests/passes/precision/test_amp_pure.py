@@ -5,27 +5,13 @@ import copy
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-
-import fleetc
 from conftest import run_side_by_side
-from fleetc.ir.program import VarKind
-from test_amp import amp_strategy, amp_trainer
+from helpers.amp import poisoned, pure_strategy, pure_trainer
+from torch.utils._python_dispatch import TorchDispatchMode
 from zoo import OPTIMIZERS
 
-
-def pure_strategy(**configs) -> fleetc.DistributedStrategy:
-    return amp_strategy(use_pure_fp16=True, **configs)
-
-
-def pure_trainer(zoo_name: str = "mlp", optimizer: str = "adam", **configs):
-    return amp_trainer(zoo_name, optimizer, use_pure_fp16=True, **configs)
-
-
-def poisoned(args: tuple) -> tuple:
-    x = args[0].clone()
-    x.view(-1)[0] = float("inf")
-    return (x, *args[1:])
+import fleetc
+from fleetc.ir.program import VarKind
 
 
 class _RecordParamDtypes(TorchDispatchMode):

@@ -4,15 +4,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import run_side_by_side
+from zoo import MLP
 
 import fleetc
-from conftest import run_side_by_side
 from fleetc.ir.liveness import estimate_memory
 from fleetc.ir.program import Op, OpRole, Program, Ref, Var, VarKind
 from fleetc.ir.verifier import verify
 from fleetc.passes.recompute import Choice, Recompute, RecomputePolicy
 from fleetc.strategy import resolve_conflicts, resolve_strategy
-from zoo import MLP
 
 
 def _strategy(**configs) -> fleetc.DistributedStrategy:

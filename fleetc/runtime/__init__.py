@@ -1,0 +1,1 @@
+"""Running a Program: generated straight-line Python per Program, state binding, memory measurement."""

@@ -1,0 +1,1 @@
+"""Helpers shared by tests in several directories: strategy builders, compiled trainers, eager references."""
