@@ -26,10 +26,15 @@ class PassReport:
 
 
 class Pass(Protocol):
-    """A Program rewrite. `run` may mutate the Program it is given (the manager hands it a copy)."""
+    """A Program rewrite. `run` may mutate the Program it is given (the manager hands it a copy).
+
+    `enabled_by` names the strategy field (dotted, e.g. "build_strategy.fuse_bn_act_ops") whose True puts the
+    pass in the order, or is None for a pass that is always there and decides for itself whether it has work.
+    """
 
     name: str
     summary: str
+    enabled_by: str | None
     reads: tuple[str, ...]
 
     def run(self, program: Program, config: Any) -> tuple[Program, PassReport]: ...

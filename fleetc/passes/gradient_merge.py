@@ -112,6 +112,7 @@ class _Builder:
 
 class GradientMerge:
     name = "gradient_merge"
+    enabled_by = 'gradient_merge'
     summary = "accumulate gradients every step; update in a conditional block every k_steps steps"
     reads: tuple[str, ...] = ("gradient_merge", "gradient_merge_configs.k_steps", "gradient_merge_configs.avg")
 

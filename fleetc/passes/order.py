@@ -30,53 +30,47 @@ from fleetc.passes.gradient_merge import GradientMerge
 from fleetc.passes.precision import AutoMixedPrecision
 from fleetc.passes.recompute import Recompute, RecomputePolicy
 
-# Named op fusions, each run only when its flag is on. Larger and more specific patterns come first,
-# so where matches overlap (bn+add+relu vs add+relu) the outcome is fixed by this order.
-_FUSIONS = (
+# The pass order, one line of why per pass. A pass with `enabled_by` runs when that strategy field is True; the
+# others are always in the order and decide for themselves (the data-parallel passes do nothing in one process).
+# The named fusions run larger, more specific patterns first, so where matches overlap (bn+add+relu vs add+relu)
+# the outcome is fixed by this order.
+PASS_ORDER: tuple[type, ...] = (
+    RemoveNoopViews,  # detach/clone/same-shape views from capture hide fusion patterns and cost calls
+    AutoMixedPrecision,  # casts first: later passes see the final dtypes
+    SyncBatchNorm,  # data parallel only: batch-norm statistics over all ranks' samples (before bn fusion)
+    Recompute,  # before fusion: replayed ops get fused too
     FuseBnAddAct,  # bn + residual add + act (ResNet block tail)
     FuseBnAct,  # bn + act
     FuseGemmEpilogue,  # addmm [+ view] [+ act]; backward dX, dW, dBias in one op
     FuseDropoutAdd,  # dropout + residual add
     FuseElementwiseAddAct,  # whatever add + act remains
+    AutoFusion,  # after the named fusion passes: fuses the pointwise chains they leave
+    GradientMerge,  # update once per k steps, on summed gradients
+    InsertAllreduce,  # data parallel only: average every gradient across ranks
+    FuseAllreduce,  # one flat buffer and one collective per bucket of gradients
+    AllreduceViews,  # gradient producers write into their bucket's buffer (no packing copy)
+    OverlapAllreduce,  # wait for a bucket just before its first consumer (sync_nccl_allreduce=False)
+    # (sharding and the pipeline-parallel split go here)
+    FuseOptimizerOps,  # one multi-tensor update per group
+    DeadCodeElimination,  # results nobody reads (e.g. saved stats of unused outputs)
 )
 
 
 def ordered_passes(config: Any, recompute_policy: RecomputePolicy | None = None) -> list[Pass]:
     """The passes to run for a strategy config, in order."""
-    return [
-        RemoveNoopViews(),  # detach/clone/same-shape views from capture hide fusion patterns and cost calls
-        *([AutoMixedPrecision()] if config.amp else []),  # casts first: later passes see the final dtypes
-        SyncBatchNorm(),  # data parallel only: batch-norm statistics over all ranks' samples (before bn fusion)
-        *([Recompute(recompute_policy)] if config.recompute else []),  # before fusion: replayed ops get fused too
-        *(fusion() for fusion in _FUSIONS if _enabled(config, fusion)),  # fewer, larger ops
-        # after the named fusion passes: fuses the pointwise chains they leave
-        *([AutoFusion()] if config.build_strategy.enable_auto_fusion else []),
-        *([GradientMerge()] if config.gradient_merge else []),  # update once per k steps, on summed gradients
-        InsertAllreduce(),  # data parallel only: average every gradient across ranks
-        FuseAllreduce(),  # one flat buffer and one collective per bucket of gradients
-        AllreduceViews(),  # gradient producers write into their bucket's buffer (no packing copy)
-        OverlapAllreduce(),  # wait for a bucket just before its first consumer (sync_nccl_allreduce=False)
-        # (sharding and the pipeline-parallel split go here)
-        *([FuseOptimizerOps()] if _enabled(config, FuseOptimizerOps) else []),  # one multi-tensor update per group
-        DeadCodeElimination(),  # results nobody reads (e.g. saved stats of unused outputs)
-    ]
-
-
-def _enabled(config: Any, pass_type: type) -> bool:
-    return _lookup(config, pass_type.reads[0]) is True
+    made = {Recompute: lambda: Recompute(recompute_policy)}
+    return [made.get(p, p)() for p in PASS_ORDER if p.enabled_by is None or _lookup(config, p.enabled_by) is True]
 
 
 def fusion_flags() -> list[str]:
     """The build_strategy fields that switch the named fusion passes on, in pass order."""
-    return [p.reads[0].removeprefix("build_strategy.") for p in (*_FUSIONS, FuseOptimizerOps)]
+    return [p.enabled_by.removeprefix("build_strategy.") for p in PASS_ORDER
+            if (p.enabled_by or "").startswith("build_strategy.fuse_")]
 
 
 def all_pass_names() -> list[str]:
     """Every pass name the pass order can contain (for --disable-pass validation)."""
-    return [RemoveNoopViews.name, AutoMixedPrecision.name, SyncBatchNorm.name, Recompute.name,
-            *(f.name for f in _FUSIONS), AutoFusion.name, GradientMerge.name, InsertAllreduce.name,
-            FuseAllreduce.name, AllreduceViews.name, OverlapAllreduce.name, FuseOptimizerOps.name,
-            DeadCodeElimination.name]
+    return [p.name for p in PASS_ORDER]
 
 
 # Strategy switches whose rewrite is not built yet: (dotted field, what would implement it).

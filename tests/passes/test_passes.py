@@ -11,6 +11,8 @@ from fleetc.ir.program import Op, OpRole, Program, Ref, Var, VarKind
 from fleetc.ir.verifier import verify
 from fleetc.passes.cleanup.dce import DeadCodeElimination
 from fleetc.passes.cleanup.noop_views import RemoveNoopViews
+from fleetc.passes.order import PASS_ORDER, ordered_passes
+from fleetc.strategy import resolve_strategy
 
 
 def _fixture() -> Program:
@@ -132,3 +134,19 @@ def test_static_memory_estimate_tracks_the_measured_peak(zoo_name):
     stats = trainer.memory_stats()
     estimated, measured = stats["estimated_peak_bytes"], stats["measured_peak_bytes"]
     assert abs(estimated - measured) <= 0.10 * measured, (estimated, measured)
+
+
+def test_every_pass_in_the_order_declares_how_it_is_switched_on():
+    """Name, summary and reads on every pass; `enabled_by` is None or a real boolean strategy field."""
+    config = resolve_strategy(None)
+    assert len({p.name for p in PASS_ORDER}) == len(PASS_ORDER)
+    for pass_type in PASS_ORDER:
+        assert pass_type.name and pass_type.summary and isinstance(pass_type.reads, tuple)
+        if pass_type.enabled_by is not None:
+            value = config
+            for part in pass_type.enabled_by.split("."):
+                value = getattr(value, part)
+            assert isinstance(value, bool), pass_type.enabled_by
+    always = [p.name for p in PASS_ORDER if p.enabled_by is None]
+    by_default = [p.name for p in ordered_passes(config)]
+    assert set(always) <= set(by_default) and "amp" not in by_default and "fuse_bn_add_act" in by_default

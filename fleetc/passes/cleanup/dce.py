@@ -50,6 +50,7 @@ def drop_unused_temporaries(program: Program) -> int:
 
 class DeadCodeElimination:
     name = "dead_code_elimination"
+    enabled_by = None  # always in the order: it decides for itself whether there is work
     summary = "drop ops whose results are never read and that have no side effect"
     reads: tuple[str, ...] = ()
 

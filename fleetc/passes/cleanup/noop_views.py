@@ -31,6 +31,7 @@ def _same_value_source(program: Program, op: Op, transposed_from: dict[str, str]
 
 class RemoveNoopViews:
     name = "remove_noop_views"
+    enabled_by = None  # always in the order: it decides for itself whether there is work
     summary = "forward the input of value-preserving ops (detach, clone of temporaries, same-shape views, t∘t)"
     reads: tuple[str, ...] = ()
 

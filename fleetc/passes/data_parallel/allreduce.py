@@ -90,6 +90,7 @@ def algorithm_for(config: Any, world_size: int) -> str:
 
 class InsertAllreduce:
     name = "insert_allreduce"
+    enabled_by = None  # always in the order: it decides for itself whether there is work
     summary = "average every gradient across data-parallel ranks, right after its last producer"
     reads = ("use_hierarchical_allreduce", "hierarchical_allreduce_inter_nranks", "nccl_comm_num")
 

@@ -108,6 +108,7 @@ class _Deferred:
 
 class FuseAllreduce:
     name = "fuse_all_reduce_ops"
+    enabled_by = None  # always in the order: it decides for itself whether there is work
     summary = "bucket gradient allreduces: one flat buffer and one collective per bucket"
     reads = ("fuse_all_reduce_ops", "fuse_grad_size_in_MB", "fuse_grad_size_in_TFLOPS", "last_comm_group_size_MB",
              "nccl_comm_num")

@@ -21,6 +21,7 @@ from fleetc.passes.data_parallel.merged import skip_reason as merged_skip_reason
 
 class OverlapAllreduce:
     name = "overlap_allreduce"
+    enabled_by = None  # always in the order: it decides for itself whether there is work
     summary = "wait for each gradient allreduce just before its first consumer, not right after issuing it"
     reads = ("sync_nccl_allreduce",)
 

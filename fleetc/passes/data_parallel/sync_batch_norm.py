@@ -19,6 +19,7 @@ BACKWARD = "aten.native_batch_norm_backward.default"
 
 class SyncBatchNorm:
     name = "sync_batch_norm"
+    enabled_by = None  # always in the order: it decides for itself whether there is work
     summary = "batch-norm statistics and their gradients reduced across data-parallel ranks"
     reads = ("sync_batch_norm",)
 

@@ -157,6 +157,7 @@ def _common_module_path(ops: list[Op]) -> str:
 
 class AutoFusion:
     name = "auto_fusion"
+    enabled_by = 'build_strategy.enable_auto_fusion'
     summary = "fuse chains of pointwise ops (and a trailing reduction) into fleetc.fused_elementwise ops"
     reads: tuple[str, ...] = ("build_strategy.enable_auto_fusion",)
 

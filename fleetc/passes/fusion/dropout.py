@@ -53,6 +53,7 @@ def _match_backward(index: BlockIndex, fwd: Op, backward: list[Op]) -> Fusion | 
 
 class FuseDropoutAdd:
     name = "fuse_dropout_add"
+    enabled_by = 'build_strategy.fuse_dropout_add'
     summary = ("dropout + residual add → one fused op and its gradient op; mask form (keeps the bool mask) or, "
                "on CUDA, Philox form (records seed/offset, backward and recompute regenerate the mask)")
     reads = ("build_strategy.fuse_dropout_add",)

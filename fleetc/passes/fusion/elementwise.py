@@ -69,6 +69,7 @@ def _match_backward(index: BlockIndex, fwd: Op, backward: list[Op]) -> Fusion | 
 
 class FuseElementwiseAddAct:
     name = "fuse_elewise_add_act"
+    enabled_by = 'build_strategy.fuse_elewise_add_act_ops'
     summary = "act(x + y) and x + act(y) → fleetc.fused_elemwise_add_act; the act's grad → its fused grad op"
     reads = ("build_strategy.fuse_elewise_add_act_ops",)
 

@@ -142,6 +142,7 @@ def _match_backward(index: BlockIndex, fwd: Op, backward: list[Op]) -> Fusion | 
 
 class FuseGemmEpilogue:
     name = "fuse_gemm_epilogue"
+    enabled_by = 'build_strategy.fuse_gemm_epilogue'
     summary = ("addmm [+ view] or mm [+ view] + bias, [+ activation] → fleetc.fused_gemm_epilogue; "
                "dX, dW, dBias → fleetc.fused_gemm_epilogue_grad")
     reads = ("build_strategy.fuse_gemm_epilogue",)

@@ -135,6 +135,7 @@ class _FuseBatchNorm:
 
 class FuseBnAct(_FuseBatchNorm):
     name = "fuse_bn_act"
+    enabled_by = "build_strategy.fuse_bn_act_ops"
     summary = "batch norm (train or eval) + activation → fleetc.fused_bn_act; backward → fleetc.fused_bn_act_grad"
     reads = ("build_strategy.fuse_bn_act_ops",)
     with_add = False
@@ -143,6 +144,7 @@ class FuseBnAct(_FuseBatchNorm):
 
 class FuseBnAddAct(_FuseBatchNorm):
     name = "fuse_bn_add_act"
+    enabled_by = "build_strategy.fuse_bn_add_act_ops"
     summary = "batch norm + residual add + activation → fleetc.fused_bn_add_act; backward → fleetc.fused_bn_act_grad"
     reads = ("build_strategy.fuse_bn_add_act_ops",)
     with_add = True

@@ -58,6 +58,7 @@ def fused_order(program: Program, ops: list[Op], members: list[Op], fused: Op) -
 
 class FuseOptimizerOps:
     name = "fuse_all_optimizer_ops"
+    enabled_by = 'build_strategy.fuse_all_optimizer_ops'
     summary = "per-parameter sgd/adam updates → one multi-tensor fused update per dtype/device/hyperparameter group"
     reads = ("build_strategy.fuse_all_optimizer_ops",)
 

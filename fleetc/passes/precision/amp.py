@@ -208,6 +208,7 @@ class _CastRewriter:
 
 class AutoMixedPrecision:
     name = "amp"
+    enabled_by = 'amp'
     summary = "cast matmul/conv to bf16/fp16 and softmax/norms/losses/reductions to float32; dynamic loss scaling"
     reads = ("amp", "amp_configs")
 

@@ -37,6 +37,7 @@ def _trial_copy(program: Program) -> Program:
 
 class Recompute:
     name = "recompute"
+    enabled_by = 'recompute'
     summary = "free forward values after forward and re-run the forward ops that made them inside backward"
     reads = ("recompute", "recompute_configs.checkpoints", "recompute_configs.memory_budget_mb")
 
