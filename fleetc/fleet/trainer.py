@@ -9,6 +9,7 @@ from torch import nn
 
 from fleetc.comm import env, groups
 from fleetc.comm.faults import collective_failed
+from fleetc.comm.mesh import resolve_mesh
 from fleetc.comm.plan import check_plans_agree
 from fleetc.compiler import CompiledStep, CompiledTrainer
 from fleetc.ir.program import Program
@@ -43,6 +44,8 @@ class DataParallelTrainer(CompiledTrainer):
                          verify=verify, disable_passes=disable_passes, print_after=print_after,
                          recompute_policy=recompute_policy)
         self.world_size = env.world_size()
+        self.mesh, mesh_notes = resolve_mesh(self.config, self.world_size)
+        self.decisions += [f"process mesh {self.mesh}", *mesh_notes]
         if self.world_size > 1:
             broadcast_state(model)
 

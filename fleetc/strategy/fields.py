@@ -113,6 +113,13 @@ SHARDING_CONFIGS = Section("sharding_configs", (
     Field("segment_broadcast_MB", POSITIVE, 32.0, "size of the parameter broadcast segments in MB"),
 ), "ZeRO-style sharding settings")
 
+HYBRID_CONFIGS = Section("hybrid_configs", (
+    Field("dp_degree", Int(Bounds(ge=-1)), -1, "data-parallel replicas; -1: whatever the world size leaves"),
+    Field("mp_degree", COUNT, 1, "tensor (model) parallel degree; fleetc supports 1 (checked when compiling)"),
+    Field("pp_degree", COUNT, 1, "pipeline stages (with pipeline on)"),
+    Field("sharding_degree", COUNT, 1, "ranks the sharded state is split across (1: from sharding_configs)"),
+), "hybrid parallel degrees: the process mesh that data parallel, pipeline and sharding share")
+
 LARS_CONFIGS = Section("lars_configs", (
     Field("lars_coeff", POSITIVE, 0.001, "trust coefficient of the layer-wise learning rate"),
     Field("lars_weight_decay", NON_NEGATIVE, 0.0005, "weight decay inside the LARS update"),
@@ -169,6 +176,7 @@ DISTRIBUTED: tuple[FieldOrSection, ...] = (
     AMP_CONFIGS,
     flag("sharding", "shard optimizer state (and more, by stage) across data-parallel ranks"),
     SHARDING_CONFIGS,
+    HYBRID_CONFIGS,
     flag("lars", "use the LARS optimizer update"),
     LARS_CONFIGS,
     flag("lamb", "use the LAMB optimizer update"),

@@ -43,6 +43,8 @@ EXPECTED_DEFAULTS = {
     "pipeline_configs.micro_batch_size": 1, "pipeline_configs.accumulate_steps": 1,
     "pipeline_configs.schedule_mode": "1F1B",
     "sharding_configs.stage": 1, "sharding_configs.sharding_degree": 8, "sharding_configs.segment_broadcast_MB": 32.0,
+    "hybrid_configs.dp_degree": -1, "hybrid_configs.mp_degree": 1, "hybrid_configs.pp_degree": 1,
+    "hybrid_configs.sharding_degree": 1,
     "build_strategy.enable_sequential_execution": False, "build_strategy.fuse_elewise_add_act_ops": False,
     "build_strategy.fuse_bn_act_ops": False, "build_strategy.fuse_bn_add_act_ops": True,
     "build_strategy.fuse_gemm_epilogue": False, "build_strategy.fuse_dropout_add": False,
