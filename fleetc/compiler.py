@@ -1,6 +1,8 @@
 """`fleetc.compile`: capture → passes → executable, cached by input signature, behind CompiledTrainer."""
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -47,6 +49,19 @@ class CompiledStep:
     report: CompileReport
     out_spec: TreeSpec | None = None
     momentum_probes: tuple = ()  # per param group: (feeds "fresh"?, a param whose missing buffer means fresh)
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """Compiling allocates many small objects (ops, Vars, Program copies) that live on; the cyclic collector's full
+    passes over them would make compile time grow faster than the model, so it waits until the compile is done."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _signature(leaves: list, spec: TreeSpec) -> tuple:
@@ -137,7 +152,7 @@ class CompiledTrainer:
             key += optimizer_signature(self.optimizer)
         cache = self._train_cache if kind == "train" else self._eval_cache
         if key not in cache:
-            with CompileProgress(f"fleetc: compiling the {kind} step"):
+            with CompileProgress(f"fleetc: compiling the {kind} step"), _gc_paused():
                 cache[key] = self._compile(kind, args, kwargs)
         return cache[key], leaves
 

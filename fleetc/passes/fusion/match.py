@@ -19,19 +19,37 @@ from fleetc.passes.cleanup.dce import drop_unused_temporaries
 
 
 class BlockIndex:
-    """Definers, readers and positions of one block's ops, rebuilt after every rewrite."""
+    """Definers, readers and positions of one block's ops, kept up to date as fusions are applied.
 
-    def __init__(self, program: Program, block: Block):
+    Built once per block: a fusion removes its members from the index and adds the fused op in place
+    (`apply_fusion`), so matching the whole block costs time linear in its size. Removed ops leave an empty
+    slot, so positions never shift; `compact` writes the surviving ops back to the block.
+    """
+
+    def __init__(self, program: Program, block: Block, by_forward: dict[str, list[Op]], names: set[str]):
         self.program, self.block = program, block
+        self.slots: list[Op | None] = list(block.ops)
         self.position = {op.name: i for i, op in enumerate(block.ops)}
         self.readers: dict[str, list[Op]] = {}
         self.definer: dict[str, Op] = {}
         for op in block.ops:
-            for name in block_reads(program, op):
-                self.readers.setdefault(name, []).append(op)
-            for name in op.defined:
-                self.definer.setdefault(name, op)
+            self._add(op)
         self.fetched = set(program.fetches.values())
+        self.by_forward = by_forward  # program-wide: forward op name → the backward ops naming it
+        self.names = names  # every Var and op name in the program (fused ops get fresh ones)
+
+    def _add(self, op: Op) -> None:
+        for name in block_reads(self.program, op):
+            self.readers.setdefault(name, []).append(op)
+        for name in op.defined:
+            self.definer.setdefault(name, op)
+
+    def _remove(self, op: Op) -> None:
+        for name in block_reads(self.program, op):
+            self.readers[name].remove(op)
+        for name in op.defined:
+            if self.definer.get(name) is op:
+                del self.definer[name]
 
     def var(self, name: str) -> Var:
         """The Var `name` as this block sees it (its own, or an ancestor block's)."""
@@ -49,11 +67,46 @@ class BlockIndex:
         members = {op.name for op in group}
         return name in self.fetched or any(r.name not in members for r in self.readers.get(name, []))
 
+    def live(self, op: Op) -> bool:
+        """Whether `op` is (still) one of this block's ops."""
+        at = self.position.get(op.name)
+        return at is not None and self.slots[at] is op
+
     def backward_of(self, forward_name: str) -> list[Op]:
         """The live ops differentiating `forward_name` (dead ones, e.g. an unused input grad, are DCE's job)."""
-        return [op for op in self.block.ops if op.attrs.get("forward_op") == forward_name
-                and any(n in self.fetched or self.readers.get(n) or self.var(n).persistable
-                        for n in op.defined)]
+        ops = [op for op in self.by_forward.get(forward_name, []) if self.live(op)]
+        return sorted((op for op in ops if any(n in self.fetched or self.readers.get(n) or self.var(n).persistable
+                                               for n in op.defined)), key=lambda op: self.position[op.name])
+
+    def unique_name(self, base: str) -> str:
+        """A name no Var or op of the program has: `base`, `base_1`, … (as Program.unique_name, without a scan)."""
+        name, i = base, 0
+        while name in self.names:
+            i += 1
+            name = f"{base}_{i}"
+        self.names.add(name)
+        return name
+
+    def replace(self, group: list[Op], fused: Op, at: int, rename: dict[str, str]) -> None:
+        """Put `fused` in slot `at`, empty the members' slots, and point readers of renamed values at the new ones."""
+        for op in group:
+            self._remove(op)
+            self.slots[self.position.pop(op.name)] = None
+        self.slots[at] = fused
+        self.position[fused.name] = at
+        self._add(fused)
+        for old, new in rename.items():
+            for reader in self.readers.pop(old, []):
+                self.program.rename_reads(reader, {old: new})
+                self.readers.setdefault(new, []).append(reader)
+        for member in group:  # backward ops that named a member now name the fused op
+            for backward in self.by_forward.pop(member.name, []):
+                backward.attrs["forward_op"] = fused.name
+                self.by_forward.setdefault(fused.name, []).append(backward)
+
+    def compact(self) -> None:
+        """Write the surviving ops, in order, back to the block."""
+        self.block.ops = [op for op in self.slots if op is not None]
 
 
 @dataclass
@@ -100,26 +153,16 @@ def apply_fusion(index: BlockIndex, fusion: Fusion, pass_name: str) -> str | Non
     at = _anchor(index, fusion)
     if at is None:
         return "no position keeps every input defined before use"
-    program, block = index.program, index.block
     first = fusion.group[0]
     fused = fusion.fused
-    fused.name = program.unique_name(fused.name)
+    fused.name = index.unique_name(fused.name)
     role = OpRole(0)
     for op in fusion.group:
         role |= op.role
     fused.attrs = {"op_role": int(role), "module_path": first.module_path, "provenance": pass_name,
                    "fused_from": [op.name for op in fusion.group],
                    **{k: first.attrs[k] for k in ("forward_op", "op_device", "source") if k in first.attrs}}
-    members = {op.name for op in fusion.group}
-    ops = []
-    for i, op in enumerate(block.ops):
-        if i == at:
-            ops.append(fused)
-        if op.name not in members:
-            program.rename_reads(op, fusion.rename)
-            ops.append(op)
-    block.ops = ops
-    program.repoint_forward_ops(dict.fromkeys(members, fused.name))
+    index.replace(fusion.group, fused, at, fusion.rename)
     return None
 
 
@@ -134,8 +177,17 @@ def fuse_forward_and_backward(program: Program, report: PassReport, pass_name: s
     `match_backward(index, fused_forward_op, backward_ops)` returns the backward Fusion, or a reason
     (str) why this group's backward cannot be fused; it is only called when backward ops exist.
     """
+    by_forward: dict[str, list[Op]] = {}
+    block_of: dict[str, int] = {}
+    names = {v.name for v in program.all_vars()}
+    for block, op in program.walk_ops():
+        names.add(op.name)
+        block_of[op.name] = block.idx
+        if "forward_op" in op.attrs:
+            by_forward.setdefault(op.attrs["forward_op"], []).append(op)
     for block in program.blocks:
-        groups = _fuse_block(program, block, report, pass_name, match_forward, match_backward)
+        groups = _fuse_block(BlockIndex(program, block, by_forward, names), report, pass_name, match_forward,
+                             match_backward, block_of)
         if groups and block.idx != 0:
             report.notes.append(f"block {block.idx}: {groups} forward group(s) fused inside the sub-block")
         report.changed |= groups > 0
@@ -143,26 +195,25 @@ def fuse_forward_and_backward(program: Program, report: PassReport, pass_name: s
         drop_unused_temporaries(program)
 
 
-def _fuse_block(program: Program, block: Block, report: PassReport, pass_name: str, match_forward: Matcher,
-                match_backward: BackwardMatcher | None) -> int:
+def _fuse_block(index: BlockIndex, report: PassReport, pass_name: str, match_forward: Matcher,
+                match_backward: BackwardMatcher | None, block_of: dict[str, int]) -> int:
     """Fuse one block's forward groups and their backward groups in that block; returns the forward groups fused."""
+    block = index.block
     fused_forward: list[Op] = []
-    index = BlockIndex(program, block)
     i = 0
-    while i < len(block.ops):
-        fusion = match_forward(index, block.ops[i])
+    while i < len(index.slots):
+        op = index.slots[i]
+        fusion = match_forward(index, op) if op is not None else None
         if fusion is not None and apply_fusion(index, fusion, pass_name) is None:
             fused_forward.append(fusion.fused)
+            block_of[fusion.fused.name] = block.idx
             report.count("forward_groups")
             report.count("ops_removed", len(fusion.group) - 1)
-            index = BlockIndex(program, block)
-            continue  # position i now holds the fused op or the op that moved up into it
+            continue  # slot i now holds the fused op, or is empty when the fused op stands at the group's end
         i += 1
     for fwd in fused_forward:
-        index = BlockIndex(program, block)
         backward = index.backward_of(fwd.name)
-        elsewhere = sorted({b.idx for b, op in program.walk_ops() if b is not block
-                            and op.attrs.get("forward_op") == fwd.name})
+        elsewhere = sorted({block_of[op.name] for op in index.by_forward.get(fwd.name, [])} - {block.idx})
         if (not backward and not elsewhere) or match_backward is None:
             continue
         if elsewhere:  # a group never spans blocks
@@ -170,12 +221,15 @@ def _fuse_block(program: Program, block: Block, report: PassReport, pass_name: s
         else:
             result = match_backward(index, fwd, backward)
             why = result if isinstance(result, str) else apply_fusion(index, result, pass_name)
+            if why is None:
+                block_of[result.fused.name] = block.idx
         if why is not None:
             report.count("backward_not_fused")
             report.notes.append(f"{fwd.name} ({fwd.module_path or 'top level'}): forward fused, backward not: {why}")
             continue
         report.count("backward_groups")
         report.count("ops_removed", len(result.group) - 1)
+    index.compact()
     return len(fused_forward)
 
 
