@@ -70,6 +70,7 @@ class _Converter:
         self.block = self.program.global_block
         self.env: dict[torch.fx.Node, Any] = {}  # node → Ref, or a list of Refs for tuple results
         self.seq_to_forward: dict[int, list[Op]] = {}
+        self.renames: dict[str, str] = {}  # temporaries bound to result names, applied by flush_renames
 
     def name_of(self, target: str) -> str:
         name = _strip_model_prefix(target) if self.wrapped else target
@@ -152,20 +153,26 @@ class _Converter:
             self.seq_to_forward.setdefault(node.meta["seq_nr"], []).append(op)
         self.block.ops.append(op)
 
-    def rename(self, old: str, new: str) -> None:
-        """Rename a temporary Var everywhere it appears."""
-        var = self.block.vars.pop(old)
-        var.name = new
-        self.block.vars[new] = var
+    def flush_renames(self) -> None:
+        """Apply the renames `bind_result` queued, in one pass over the ops (one pass per name grew quadratically)."""
+        mapping, self.renames = self.renames, {}
+        if not mapping:
+            return
+        for old, new in mapping.items():
+            var = self.block.vars.pop(old)
+            var.name = new
+            self.block.vars[new] = var
         for op in self.block.ops:
-            op.rename_inputs({old: new})
-            op.outputs = [new if o == old else o for o in op.outputs]
+            op.rename_inputs(mapping)
+            op.outputs = [mapping.get(o, o) for o in op.outputs]
 
     def bind_result(self, ref: Ref, wanted: str, module_path: str, role: OpRole) -> str:
-        """Give the value `ref` the name `wanted`: rename its temporary, or copy when it is not one."""
+        """Give the value `ref` the name `wanted`: rename its temporary (queued until `flush_renames`), or copy it
+        when it is not a temporary or already has a name."""
         var = self.block.vars.get(ref.name)
-        if var is not None and var.kind is VarKind.TEMP and ref.name not in self.program.fetches.values():
-            self.rename(ref.name, wanted)
+        if (var is not None and var.kind is VarKind.TEMP and ref.name not in self.renames
+                and ref.name not in self.program.fetches.values()):
+            self.renames[ref.name] = wanted
             return wanted
         source = self.program.var(ref.name)
         self.block.add_var(Var(wanted, source.shape, source.dtype, source.device, VarKind.TEMP))
@@ -186,13 +193,14 @@ class _Converter:
                 mutations.append((self.name_of(desc.mutated_input.target), self.arg(value)))
             elif isinstance(desc, GradAOTOutput) and value is not None:
                 grads.append((self.name_of(desc.grad_of.target), self.arg(value)))
+        self.flush_renames()
         if self._has_tangent():
             self._insert_loss_grad()
-        for buffer, ref in mutations:
-            self._insert_assign(buffer, ref)
+        self._insert_assigns(mutations)
         for param, ref in grads:
             name = self.bind_result(ref, grad_name(param), "", OpRole.BACKWARD)
             self.program.fetches[f"grad:{param}"] = name
+        self.flush_renames()
 
     def _has_tangent(self) -> bool:
         return "tangent" in self.env.values()
@@ -207,15 +215,35 @@ class _Converter:
                               len(self.block.ops))
         self.block.ops.insert(first_backward, seed)
 
-    def _insert_assign(self, buffer: str, ref: Ref) -> None:
-        """Write a buffer's new value once nothing reads its old value any more."""
+    def _insert_assigns(self, mutations: list[tuple[str, Ref]]) -> None:
+        """Write each mutated buffer's new value once nothing reads its old value any more (one pass for all)."""
+        if not mutations:
+            return
+        last_reader: dict[str, int] = {}
+        definers: dict[str, list[int]] = {}
+        for i, op in enumerate(self.block.ops):
+            for name in op.inputs:
+                last_reader[name] = i
+            for name in op.defined:
+                definers.setdefault(name, []).append(i)
+        inserts = []
+        for order, (buffer, ref) in enumerate(mutations):
+            defined_at = definers.get(ref.name, [])
+            after = max([last_reader.get(buffer, -1), *defined_at])
+            producer = self.block.ops[defined_at[0]] if defined_at else None
+            attrs = {"op_role": int(OpRole.FORWARD),
+                     "module_path": producer.module_path if producer else buffer.rpartition(".")[0]}
+            assign = Op(self.program.unique_name(f"{buffer}.assign"), "fleetc.assign", (Ref(buffer), ref),
+                        outputs=[buffer], attrs=attrs)
+            inserts.append((after + 1, -order, assign))
         ops = self.block.ops
-        after = max([i for i, op in enumerate(ops) if buffer in op.inputs or ref.name in op.defined], default=-1)
-        producer = next((op for op in ops if ref.name in op.defined), None)
-        attrs = {"op_role": int(OpRole.FORWARD),
-                 "module_path": producer.module_path if producer else buffer.rpartition(".")[0]}
-        ops.insert(after + 1, Op(self.program.unique_name(f"{buffer}.assign"), "fleetc.assign",
-                                 (Ref(buffer), ref), outputs=[buffer], attrs=attrs))
+        merged = []
+        position = 0
+        for at, _, assign in sorted(inserts, key=lambda item: item[:2]):
+            merged += ops[position:at]
+            merged.append(assign)
+            position = at
+        self.block.ops = merged + ops[position:]
 
     def run(self) -> Program:
         for node in self.gm.graph.nodes:
