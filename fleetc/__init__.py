@@ -11,6 +11,7 @@ from fleetc.errors import (
     CollectiveError,
     FleetcError,
     PassError,
+    ProgramParseError,
     StrategyError,
     UnsupportedOptimizerError,
     VerificationError,
@@ -29,6 +30,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Block", "BuildStrategy", "CaptureError", "CheckpointError", "CollectiveError", "CompileReport",
     "CompiledTrainer", "DistributedStrategy",
-    "ExecutionStrategy", "FleetcError", "Op", "OpRole", "PassError", "Program", "Strategy", "StrategyError",
+    "ExecutionStrategy", "FleetcError", "Op", "OpRole", "PassError", "Program", "ProgramParseError", "Strategy",
+    "StrategyError",
     "UnsupportedOptimizerError", "Var", "VarKind", "VerificationError", "compile", "device_guard",
 ]

@@ -39,3 +39,7 @@ class PassStrategyError(StrategyError, PassError):
 
 class CommandError(FleetcError):
     """A problem with a `fleetc` command's inputs: reported as one line, exit status 2."""
+
+
+class ProgramParseError(FleetcError, ValueError):
+    """Program text (`Program.parse`, a pass fixture) is malformed; names the line and what was expected there."""

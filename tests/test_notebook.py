@@ -88,7 +88,8 @@ def test_history_walk_record_and_diff_show_the_same_passes(cells) -> None:
     assert re.findall(r'<section class="record" id="pass-(\d+)"><h3>#\d+ (\w+) ', history) == \
         [(str(k), name) for k, name in enumerate(names)]
     diff = next(o for o in cells["diff"].outputs if o.output_type == "execute_result").data
-    assert diff["text/plain"].startswith(f"'--- after capture\\n+++ after {names[-1]}\\n")
+    plain = diff["text/plain"]  # the str's repr: quoted with " when the diff holds ' (quoted string arguments)
+    assert plain[0] in "'\"" and plain[1:].startswith(f"--- after capture\\n+++ after {names[-1]}\\n")
     assert '<span class="del">-  ' in diff["text/html"] and "aten.detach.default" in diff["text/html"]
 
 

@@ -299,3 +299,10 @@ class Program(HtmlViewable):
         from fleetc.ir.printer import format_program
 
         return format_program(self)
+
+    @staticmethod
+    def parse(text: str) -> "Program":
+        """The Program `str(program)` printed (the text form; docs/ir.md). Raises ProgramParseError."""
+        from fleetc.ir.parser import parse_program
+
+        return parse_program(text)

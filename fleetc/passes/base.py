@@ -20,6 +20,12 @@ class PassReport:
     def count(self, key: str, n: int = 1) -> None:
         self.stats[key] = self.stats.get(key, 0) + n
 
+    def summary(self) -> str:
+        """`changed; fused=2, …` or `unchanged (why); …`: what a dump header and a pass fixture show."""
+        stats = ", ".join(f"{k}={v}" for k, v in sorted(self.stats.items())) or "no statistics"
+        state = "changed" if self.changed else f"unchanged ({self.skipped_reason or 'nothing matched'})"
+        return f"{state}; {stats}"
+
     def as_dict(self) -> dict[str, Any]:
         return {"name": self.name, "changed": self.changed, "stats": dict(self.stats),
                 "skipped_reason": self.skipped_reason, "notes": list(self.notes)}

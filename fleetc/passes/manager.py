@@ -32,9 +32,7 @@ class PassRecord(HtmlViewable):
 
     def summary(self) -> str:
         """Whether it changed, statistics, estimated peak: no timing, so dumps of two runs diff cleanly."""
-        stats = ", ".join(f"{k}={v}" for k, v in sorted(self.report.stats.items())) or "no statistics"
-        state = "changed" if self.report.changed else f"unchanged ({self.report.skipped_reason or 'nothing matched'})"
-        return f"{state}; {stats}; estimated peak {self.memory.peak_bytes / 2**20:.2f} MiB"
+        return f"{self.report.summary()}; estimated peak {self.memory.peak_bytes / 2**20:.2f} MiB"
 
     def header(self) -> str:
         return f"# constructed by {self.name} ({self.seconds * 1000:.1f} ms): {self.summary()}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 
-from fleetc.ir.printer import format_op
+from fleetc.ir.printer import ProgramPrinter
 from fleetc.ir.program import Op, Program
 
 SAME, ADDED, REMOVED, CHANGED = "same", "added", "removed", "changed"
@@ -15,7 +15,7 @@ class OpEntry:
     """One op to show, with its status against the Program before.
 
     `program` is the Program the op belongs to (the one before for removed ops); `index` its position
-    in its block (None for removed ops); `before_line` the op's text before, for changed ops.
+    in its block (None for removed ops); `line` the op's text; `before_line` its text before, for changed ops.
     """
 
     op: Op
@@ -23,11 +23,8 @@ class OpEntry:
     program: Program
     block_idx: int
     index: int | None
+    line: str
     before_line: str = ""
-
-    @property
-    def line(self) -> str:
-        return format_op(self.op, self.program, self.block_idx)
 
 
 @dataclass
@@ -47,7 +44,8 @@ class ProgramChanges:
 
 
 def _lines(program: Program) -> dict[str, str]:
-    return {op.name: format_op(op, program, block.idx) for block, op in program.walk_ops()}
+    printer = ProgramPrinter(program)
+    return {op.name: printer.op_line(op, block.idx) for block, op in program.walk_ops()}
 
 
 def compare_programs(after: Program, before: Program | None) -> ProgramChanges:
@@ -57,6 +55,10 @@ def compare_programs(after: Program, before: Program | None) -> ProgramChanges:
     text is the same; ops of blocks that no longer exist are listed at the end of block 0.
     """
     before_lines = _lines(before) if before is not None else {}
+    after_lines = _lines(after)
+
+    def removed(op: Op, block_idx: int) -> OpEntry:
+        return OpEntry(op, REMOVED, before, block_idx, None, before_lines[op.name])
     after_names = {op.name for _, op in after.walk_ops()}
     blocks: dict[int, list[OpEntry]] = {}
     for block in after.blocks:
@@ -65,11 +67,10 @@ def compare_programs(after: Program, before: Program | None) -> ProgramChanges:
                                           autojunk=False)
         entries: list[OpEntry] = []
         for _, i1, i2, j1, j2 in matcher.get_opcodes():
-            entries += [OpEntry(op, REMOVED, before, block.idx, None) for op in old_ops[i1:i2]
-                        if op.name not in after_names]
+            entries += [removed(op, block.idx) for op in old_ops[i1:i2] if op.name not in after_names]
             for j in range(j1, j2):
                 op = block.ops[j]
-                entry = OpEntry(op, SAME, after, block.idx, j)
+                entry = OpEntry(op, SAME, after, block.idx, j, after_lines[op.name])
                 if before is not None and op.name not in before_lines:
                     entry.status = ADDED
                 elif before is not None and before_lines[op.name] != entry.line:
@@ -78,6 +79,5 @@ def compare_programs(after: Program, before: Program | None) -> ProgramChanges:
         blocks[block.idx] = entries
     if before is not None:
         for block in before.blocks[len(after.blocks):]:
-            blocks[0] += [OpEntry(op, REMOVED, before, block.idx, None) for op in block.ops
-                          if op.name not in after_names]
+            blocks[0] += [removed(op, block.idx) for op in block.ops if op.name not in after_names]
     return ProgramChanges(blocks)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fleetc.ir.liveness import block_reads
-from fleetc.ir.printer import format_op
+from fleetc.ir.printer import ProgramPrinter
 from fleetc.ir.program import Op, Program
 from fleetc.strategy.names import closest
 from fleetc.viz.style import (
@@ -103,6 +103,7 @@ def _layers(count: int, edges: list[tuple[int, int]]) -> list[list[int]]:
 
 def _svg(program: Program, ops: list[Op], edges: list[tuple[int, int]], layers: list[list[int]],
          block_idx: int) -> str:
+    printer = ProgramPrinter(program)
     width = MARGIN * 2 + max(len(layer) for layer in layers) * (NODE_W + GAP_X)
     height = MARGIN * 2 + len(layers) * (NODE_H + GAP_Y)
     where = {}
@@ -125,7 +126,7 @@ def _svg(program: Program, ops: list[Op], edges: list[tuple[int, int]], layers: 
         fused = bool(fusion_marks(op))
         label = short_type(op)
         label = label if len(label) <= LABEL_CHARS else label[:LABEL_CHARS - 1] + "…"
-        parts.append(f'<g class="node" data-op="{esc(op.name)}"><title>{esc(format_op(op, program, block_idx))}'
+        parts.append(f'<g class="node" data-op="{esc(op.name)}"><title>{esc(printer.op_line(op, block_idx))}'
                      f'</title><rect x="{x}" y="{y}" width="{NODE_W}" height="{NODE_H}" rx="5" '
                      f'fill="{ROLE_COLOURS[role]}" stroke="{ROLE_BORDERS[role]}" '
                      f'stroke-width="{3 if fused else 1}"/><text x="{x + 6}" y="{y + 17}">{esc(label)}</text></g>')

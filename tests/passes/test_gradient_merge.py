@@ -13,6 +13,7 @@ from helpers.gradient_merge import (
     merge_strategy,
     run_merged,
 )
+from helpers.ir import op_lines
 from zoo import OPTIMIZERS, ZOO
 
 import fleetc
@@ -197,15 +198,11 @@ def _collective_fixture() -> Program:
     return p
 
 
-def _op_lines(program: Program) -> list[str]:
-    return [line.split("  #")[0] for line in str(program).splitlines() if " = " in line]
-
-
 def test_collectives_feeding_only_the_update_move_into_the_block():
     config = resolve_strategy(merge_strategy(2))
     program, report = GradientMerge().run(_collective_fixture(), config)
     verify(program)
-    assert _op_lines(program) == [
+    assert op_lines(program, indent=True) == [
         "  y: f32[4] = aten.mul.Tensor(x, w)",
         "  synced: f32[4] = aten.mul.Tensor(y, 1.0)",
         "  loss: f32[] = aten.sum.default(synced)",

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.ir import op_lines
 from zoo import MLP, ZOO
 
 import fleetc
@@ -39,14 +40,10 @@ def _fixture() -> Program:
     return p
 
 
-def _op_lines(program: Program) -> list[str]:
-    return [line.split("  #")[0].strip() for line in str(program).splitlines() if " = " in line]
-
-
 def test_noop_views_forward_values_and_drop_t_of_t():
     program, report = RemoveNoopViews().run(_fixture(), None)
     verify(program)
-    assert _op_lines(program) == [
+    assert op_lines(program) == [
         "a: f32[2,3] = aten.t.default(x)",
         "unused: f32[3,2] = aten.exp.default(x)",
         "drop: f32[3,2], mask: b8[3,2] = aten.native_dropout.default(x, 0.5, True)",

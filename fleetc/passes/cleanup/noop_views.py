@@ -77,7 +77,7 @@ class RemoveNoopViews:
         removed_ops = [op for i, op in enumerate(block.ops) if i in removed]
         block.ops = [op for i, op in enumerate(block.ops) if i not in removed]
         for op in block.ops:
-            op.rename_inputs(rename)
+            program.rename_reads(op, rename)  # and the reads inside its sub-block
             op.outputs = [rename.get(o, o) for o in op.outputs]
         definer = {name: op.name for op in block.ops for name in op.defined}
         program.repoint_forward_ops({op.name: definer.get(rename.get(op.outputs[0], op.outputs[0]))

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import pytest
-from dp_helpers import captured_program, run_data_parallel_passes
+from helpers.data_parallel import captured_program, run_data_parallel_passes
 
 from fleetc.errors import PassError
 from fleetc.ir.program import OpRole, Program

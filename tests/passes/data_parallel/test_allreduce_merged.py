@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dp_helpers import (  # noqa: F401  (a fixture)
+from helpers.data_parallel import (  # noqa: F401  (a fixture)
     _Done,
     captured_program,
     one_rank_transport,

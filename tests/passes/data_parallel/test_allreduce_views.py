@@ -7,7 +7,7 @@ import pytest
 import torch
 import torchgen
 from conftest import eager_step
-from dp_helpers import (  # noqa: F401  (a fixture)
+from helpers.data_parallel import (  # noqa: F401  (a fixture)
     captured_program,
     one_rank_transport,
     run_data_parallel_passes,

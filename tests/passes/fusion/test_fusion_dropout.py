@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import run_side_by_side
 from fusion_helpers import fusion_strategy, op_types, stats
+from helpers.ir import op_lines
 from zoo import OPTIMIZERS, ZOO
 
 import fleetc
@@ -161,7 +162,7 @@ def _dropout_add_program(mask_reader: str | None) -> Program:
 def test_philox_form_records_the_rng_state_and_the_gradient_regenerates_from_it():
     program, report = FuseDropoutAdd(AlwaysPhilox()).run(_dropout_add_program(None), None)
     verify(program)
-    lines = [line.split(" {")[0].strip() for line in str(program).splitlines() if " = " in line]
+    lines = op_lines(program, attrs=False)
     assert lines == ["o: f32[4,3], m@RNG_STATE: i64[2] = fleetc.fused_dropout_add_philox(x, r, 0.25, True)",
                      "gx: f32[4,3] = fleetc.philox_dropout_mul(g, m@RNG_STATE, 0.25, True, 1.3333333333333333)"]
     assert "m" not in program.global_block.vars  # no mask is kept

@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import run_side_by_side
+from helpers.ir import op_lines
 from zoo import MLP
 
 import fleetc
@@ -224,7 +225,7 @@ def _fixture() -> Program:
 def test_fixture_segment_is_replayed_before_its_first_reader_with_the_saved_mask():
     program, report = Recompute().run(_fixture(), _config(checkpoints=["head"]))
     verify(program)
-    lines = [line.split("  #")[0].strip() for line in str(program).splitlines() if " = " in line]
+    lines = op_lines(program)
     assert lines[3:] == [
         "a@RECOMPUTE: f32[4] = aten.relu.default(x)",
         "d@RECOMPUTE: f32[4] = fleetc.dropout_replay(a@RECOMPUTE, m, 0.5, True)",
