@@ -53,7 +53,8 @@ def fused_elemwise_add_act_grad(dout: torch.Tensor, saved: torch.Tensor | None, 
     return apply_grad(act, dout, saved, param)
 
 
-@register_op("fused_dropout_add", "dropout(x) + residual in one op, also returning the keep mask")
+@register_op("fused_dropout_add", "dropout(x) + residual in one op, also returning the keep mask",
+             cpu_kernel="fleetc.codegen.cpu.dropout:plan_dropout_add")
 def fused_dropout_add(x: torch.Tensor, residual: torch.Tensor, p: float, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """aten: `dropped, mask = native_dropout(x, p, train); out = add.Tensor(residual, dropped)`.
 
@@ -66,7 +67,8 @@ def fused_dropout_add(x: torch.Tensor, residual: torch.Tensor, p: float, train: 
     return aten.add.Tensor(residual, dropped), mask
 
 
-@register_op("fused_dropout_add_grad", "gradient of a fused dropout+add with respect to the dropped input")
+@register_op("fused_dropout_add_grad", "gradient of a fused dropout+add with respect to the dropped input",
+             cpu_kernel="fleetc.codegen.cpu.dropout:plan_dropout_add_grad")
 def fused_dropout_add_grad(dout: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """aten: `native_dropout_backward(dout, mask, scale)`; the residual's gradient is `dout` itself."""
     return aten.native_dropout_backward.default(dout, mask, scale)

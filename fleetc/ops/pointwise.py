@@ -16,6 +16,7 @@ runs in fp32 (inputs are upcast on load, results cast on store), as torch does i
 from __future__ import annotations
 
 import math
+import struct
 from typing import Any, Callable
 
 from fleetc.ops.activations import activation_call, activation_grad_call
@@ -70,7 +71,8 @@ class CDialect(Dialect):
               "tanh": "tanhf"}
 
     def num(self, value: float) -> str:
-        return f"{float(value)!r}f"
+        # the fp32 value aten would use (a double scalar cast to float), written so that reading it back is exact
+        return f"{struct.unpack('f', struct.pack('f', value))[0]!r}f"
 
     def constant(self, value: Any) -> str:
         if isinstance(value, bool):

@@ -147,17 +147,26 @@ def build_async(kernel: CppKernel) -> Future:
 
 
 def plan_op(op: Op, program: Program, block_idx: int) -> CpuPlan:
-    """The CPU plan of one op (Unsupported when its type has no planner or the planner refuses it)."""
+    """The CPU plan of one op (Unsupported when its type has no planner or the planner refuses it).
+
+    The planner gets, per positional argument, its Var (a list of Vars for a list of tensors, None otherwise)."""
     target = op_def(op.type).cpu_kernel
     if target is None:
         raise Unsupported(f"{op.type} has no CPU kernel")
-    inputs = [program.var(a.name, block_idx) if isinstance(a, Ref) else None for a in op.args]
-    for var in inputs:
-        if var is not None and var.device != "cpu":
-            raise Unsupported(f"{var.name} lives on {var.device}, not the CPU")
-        if var is not None and not all(isinstance(d, int) for d in var.shape or ()):
-            raise Unsupported(f"{var.name} has a symbolic shape {var.shape}")
-    return import_target(target)(op, inputs)
+
+    def var_of(arg: Any) -> Any:
+        if isinstance(arg, Ref):
+            var = program.var(arg.name, block_idx)
+            if var.device != "cpu":
+                raise Unsupported(f"{var.name} lives on {var.device}, not the CPU")
+            if not all(isinstance(d, int) for d in var.shape or ()):
+                raise Unsupported(f"{var.name} has a symbolic shape {var.shape}")
+            return var
+        if isinstance(arg, (list, tuple)) and arg and all(isinstance(a, Ref) for a in arg):
+            return [var_of(a) for a in arg]
+        return None
+
+    return import_target(target)(op, [var_of(a) for a in op.args])
 
 
 def planned_ops(program: Program) -> list[tuple[Op, CpuPlan | Unsupported]]:

@@ -38,7 +38,7 @@ EXACT_STEPS = {"aten.add.Tensor", "aten.add.Scalar", "aten.sub.Tensor", "aten.su
                "aten.relu.default", "aten.threshold_backward.default", "aten.leaky_relu.default",
                "aten.leaky_relu_backward.default", "aten.native_dropout_backward.default", "aten.masked_fill.Scalar",
                "aten.where.self", "aten.bitwise_not.default", "aten.eq.Scalar", "aten.ne.Scalar", "aten.gt.Scalar",
-               "aten.ge.Scalar", "aten.lt.Scalar", "aten.le.Scalar", "aten.abs.default", "aten.sqrt.default",
+               "aten.ge.Scalar", "aten.lt.Scalar", "aten.le.Scalar", "aten.abs.default",
                "aten.sigmoid_backward.default", "aten.reciprocal.default"}
 
 
@@ -290,13 +290,14 @@ def _spec_for(launch: Launch, inputs: list[Var | None]) -> StepsSpec:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(spec: StepsSpec) -> CppKernel:
+def kernel_of(spec: StepsSpec) -> CppKernel:
+    """The kernel of a spec (generated once per spec)."""
     return generate(spec)
 
 
 def _plan_launches(launches: list[Launch], inputs: list[Var | None], combine: Callable) -> CpuPlan:
     specs = [_spec_for(launch, inputs) for launch in launches]
-    kernels = tuple(_kernel(spec) for spec in specs)
+    kernels = tuple(kernel_of(spec) for spec in specs)
 
     def bind(functions: list[Any]) -> Callable[..., Any]:
         runners = [StepsRunner(spec, fn) for spec, fn in zip(specs, functions)]
@@ -314,7 +315,7 @@ def plan_fused_elementwise(op: Op, inputs: list[Var | None]) -> CpuPlan:
         runner = StepsRunner(spec, functions[0])
         return lambda *tensors, steps, results, name: runner(*tensors)
 
-    return CpuPlan((_kernel(spec),), bind, exact=spec.exact)
+    return CpuPlan((kernel_of(spec),), bind, exact=spec.exact)
 
 
 def plan_add_act(op: Op, inputs: list[Var | None]) -> CpuPlan:

@@ -42,9 +42,10 @@ def require_dtypes(what: str, dtypes: list[str], allowed: tuple[str, ...] = FLOA
         raise Unsupported(f"{what}: dtype {', '.join(bad)} has no CPU kernel (supported: {', '.join(allowed)})")
 
 
-def pointers(tensors: list[torch.Tensor | None]) -> ctypes.Array:
-    """The `data` argument of a kernel: each tensor's data pointer (NULL for None)."""
-    return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() if t is not None else None for t in tensors))
+def pointers(tensors: list[torch.Tensor | None], extra: tuple = ()) -> ctypes.Array:
+    """The `data` argument of a kernel: each tensor's data pointer (NULL for None), then `extra` raw addresses."""
+    values = [t.data_ptr() if t is not None else None for t in tensors] + list(extra)
+    return (ctypes.c_void_p * len(values))(*values)
 
 
 def int_array(values: list[int]) -> ctypes.Array:
