@@ -147,11 +147,12 @@ def _body(spec: StepsSpec, index: Callable[[int], str]) -> list[str]:
 
 
 def _pointer_lines(spec: StepsSpec) -> list[str]:
-    lines = [f"const {C_TYPES[d]}* __restrict__ in{i} = (const {C_TYPES[d]}*)data[{i}];"
+    lines = [f"const {C_TYPES[d]}* in{i} = (const {C_TYPES[d]}*)data[{i}];"
              for i, d in enumerate(spec.input_dtypes)]
     k = len(spec.input_dtypes)
     for m, r in enumerate(spec.results):
-        lines.append(f"{C_TYPES[spec.dtype_of(r)]}* __restrict__ out{m} = ({C_TYPES[spec.dtype_of(r)]}*)data[{k + m}];")
+        # no __restrict__ on outputs: `StepsRunner.into` may write a result over an input
+        lines.append(f"{C_TYPES[spec.dtype_of(r)]}* out{m} = ({C_TYPES[spec.dtype_of(r)]}*)data[{k + m}];")
     return lines
 
 
@@ -282,6 +283,12 @@ class StepsRunner:
         outs = [torch.empty(shape, dtype=dtype) for shape, dtype in self.out_specs]
         self.function(pointers([*inputs, *outs]), self.meta(inputs), None, num_threads())
         return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def into(self, *inputs: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Run a one-result pointwise kernel writing into `out` (contiguous; it may be an input, for an in-place
+        update: each element is read before it is written, by the same iteration)."""
+        self.function(pointers([*inputs, out]), self.meta(inputs), None, num_threads())
+        return out
 
 
 def _spec_for(launch: Launch, inputs: list[Var | None]) -> StepsSpec:
