@@ -76,7 +76,11 @@ class StepsSpec:
 
     @property
     def exact(self) -> bool:
-        return all(op_type in EXACT_STEPS for op_type, _, _ in self.steps[:len(self.steps) - bool(self.reduced_dims)])
+        """Whether every pointwise step matches its aten kernel bit for bit (EXACT_STEPS). An add/sub with alpha != 1
+        is only fp32-close: aten fuses `a + alpha * b` into one rounding in its vectorized loops but not in every
+        scalar or broadcast loop (and rounds a bf16 alpha to bf16), so no single formula matches it everywhere."""
+        pointwise = self.steps[:len(self.steps) - bool(self.reduced_dims)]
+        return all(op_type in EXACT_STEPS and dict(kwargs).get("alpha", 1) == 1 for op_type, _, kwargs in pointwise)
 
 
 def _meta_value(value: Any, metas: list) -> Any:
