@@ -2,10 +2,12 @@
 
 And the whole differential harness with the backend on: every zoo model trained with every fusion flag on and
 `cpu_kernels="sync"` matches eager training, and every fused op that has a kernel ran it (never silently the aten
-fallback). Exact kernels keep results bit-identical; the others (batch-norm statistics, transcendentals, sums) are
-within fp32 tolerance, except the one parameter whose true gradient is zero, an attention key bias: Adam turns the
-rounding noise of its gradient into lr-sized steps (README, fused optimizers), so there only the size of the
-step is bounded.
+fallback). Exact kernels keep results bit-identical; the others (batch-norm statistics, transcendentals, sums)
+differ from aten by rounding, which the comparison allows: 1e-5 under SGD; under Adam, which divides each
+gradient element by its own running magnitude, a near-zero gradient element's rounding moves its parameter by a
+visible fraction of lr, so 1e-4 = lr / 100 there; and for the one parameter whose true gradient is zero, an
+attention key bias, Adam turns the rounding noise itself into lr-sized steps (README, fused optimizers), so there
+only the size of the step is bounded.
 """
 from __future__ import annotations
 
@@ -61,7 +63,8 @@ def test_differential_harness_with_the_cpu_backend(zoo_name, optimizer_name):
                 eager = run.eager_model.state_dict()[name]
                 assert (param[key] - eager[key]).abs().max() <= 2 * lr * steps
                 param[key] = eager[key]  # the rest of the comparison sees everything else
-    run.assert_same(rtol=1e-5, atol=1e-5)
+    adam_family = optimizer_name in ("adam", "adamw")
+    run.assert_same(rtol=1e-4 if adam_family else 1e-5, atol=1e-4 if adam_family else 1e-5)
 
 
 def test_sync_mode_runs_kernels_from_the_first_step_and_reports_them():
