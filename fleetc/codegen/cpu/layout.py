@@ -20,10 +20,6 @@ class Layout:
     reduced: tuple[int, ...]
     strides: tuple[tuple[int, ...], ...]
 
-    def inner_strides(self) -> tuple[int, ...]:
-        """Each operand's stride along the innermost dim in memory order (the last reduced dim, else the last kept)."""
-        return tuple(s[-1] for s in self.strides)
-
     def meta(self) -> list[int]:
         """[number of kept dims, number of reduced dims, sizes..., strides of operand 0..., operand 1..., ...]."""
         return [len(self.kept), len(self.reduced), *self.kept, *self.reduced, *(x for s in self.strides for x in s)]
