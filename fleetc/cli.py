@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import fleetc
+from fleetc.codegen.cpu import format_kernels as format_cpu_kernels
 from fleetc.codegen.triton import format_kernels
 from fleetc.errors import CommandError, FleetcError
 from fleetc.fleet.launch import add_run_command
@@ -201,7 +202,7 @@ def dump_ir(options: argparse.Namespace) -> int:
     else:
         text = _render_text(trainer.history, records, options)
     if options.kernels:
-        text += format_kernels(records[-1].program)
+        text += format_kernels(records[-1].program) + format_cpu_kernels(records[-1].program)
     if options.out is None:
         sys.stdout.write(text)
         return 0
@@ -245,7 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="after each Program, list the estimated live bytes after every op and the peak")
     dump.add_argument("--verify", action="store_true", help="run the IR verifier after every pass")
     dump.add_argument("--kernels", action="store_true",
-                      help="after the Program, print the Triton source generated for each fused op (text format)")
+                      help="after the Program, print the Triton (CUDA) and C++ (CPU) source generated for each fused op "
+                           "(text format)")
     add_run_command(commands)
     return parser
 

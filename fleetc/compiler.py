@@ -17,6 +17,7 @@ from fleetc.capture import (
     optimizer_signature,
     param_names,
 )
+from fleetc.codegen.cpu.backend import resolve_mode
 from fleetc.errors import PassError
 from fleetc.ir.liveness import estimate_memory
 from fleetc.ir.program import Program
@@ -80,8 +81,9 @@ class CompiledTrainer:
     def __init__(self, model: nn.Module, strategy: Any = None, *, optimizer: torch.optim.Optimizer | None = None,
                  loss_fn: Callable | None = None, measure_memory: bool = False, verify: bool = False,
                  disable_passes: Iterable[str] = (), print_after: str | None = None,
-                 recompute_policy: RecomputePolicy | None = None):
+                 recompute_policy: RecomputePolicy | None = None, cpu_kernels: str | None = None):
         self.model = model
+        self.cpu_kernels = resolve_mode(cpu_kernels)
         self.recompute_policy = recompute_policy
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -140,9 +142,10 @@ class CompiledTrainer:
             program, out_spec = capture_eval_program(self.model, args, kwargs)
         final, history, report = self._optimize(program, time.perf_counter() - start)
         progress_stage("codegen")
-        executable = Executable(final, measure_memory=self.measure_memory)
+        executable = Executable(final, measure_memory=self.measure_memory, cpu_kernels=self.cpu_kernels)
         binding = StateBinding(final, self.model, self.optimizer, self.counters)
         report.compile_seconds = time.perf_counter() - start
+        report.kernels = executable.kernel_usage
         return CompiledStep(final, history, executable, binding, report, out_spec, self._momentum_probes(final))
 
     def _lookup(self, kind: str, args: tuple, kwargs: dict) -> tuple[CompiledStep, list]:
@@ -263,17 +266,19 @@ class CompiledTrainer:
 def compile(model: nn.Module, strategy: Any = None, *, optimizer: torch.optim.Optimizer | None = None,
             loss_fn: Callable | None = None, measure_memory: bool = False, verify: bool = False,
             disable_passes: Iterable[str] = (), print_after: str | None = None,
-            recompute_policy: RecomputePolicy | None = None) -> CompiledTrainer:
+            recompute_policy: RecomputePolicy | None = None, cpu_kernels: str | None = None) -> CompiledTrainer:
     """Compile `model`'s training step under `strategy` (any fleetc strategy object, or None for defaults).
 
     Compilation is lazy: the first `step(*inputs)` captures and compiles for that input signature.
     `verify=True` runs the IR verifier after every pass; `disable_passes` names passes to skip;
-    `print_after` is None, "all" or "change"; `recompute_policy` replaces the default RecomputePolicy. An
+    `print_after` is None, "all" or "change"; `recompute_policy` replaces the default RecomputePolicy;
+    `cpu_kernels` ("off", "background", "sync"; default $FLEETC_CPU_KERNELS, else "off") runs fused ops on CPU
+    tensors as generated C++ kernels, built in the background or before the first step (docs/cpu_backend.md). An
     optimizer from `fleet.distributed_optimizer` gives a data-parallel trainer (its strategy applies when
     `strategy` is None).
     """
     options = dict(loss_fn=loss_fn, measure_memory=measure_memory, verify=verify, disable_passes=disable_passes,
-                   print_after=print_after, recompute_policy=recompute_policy)
+                   print_after=print_after, recompute_policy=recompute_policy, cpu_kernels=cpu_kernels)
     # An optimizer from fleet.distributed_optimizer builds its own (data-parallel) trainer: fleet sits above the
     # compiler and supplies it, so the compiler never imports the Fleet API.
     compile_trainer = getattr(optimizer, "compile_trainer", None)

@@ -22,6 +22,7 @@ class CompileReport:
     notes: dict[str, list[str]] = field(default_factory=dict)  # pass → what it decided, in words
     ops_before: int = 0
     ops_after: int = 0
+    kernels: Any = None  # the CPU backend's live KernelUsage: which fused ops ran a C++ kernel, which the reference
 
     def __str__(self) -> str:
         lines = [f"fleetc compile report: {self.ops_before} → {self.ops_after} ops in {self.compile_seconds:.2f} s"]
@@ -38,4 +39,6 @@ class CompileReport:
             lines += [f"  {d}" for d in self.decisions]
         if self.memory:
             lines.append(f"estimated peak memory: {self.memory['estimated_peak_bytes'] / 2**20:.2f} MiB")
+        if self.kernels is not None and self.kernels.mode != "off":
+            lines += self.kernels.lines()
         return "\n".join(lines)

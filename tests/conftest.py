@@ -86,3 +86,12 @@ def interpret(monkeypatch, tmp_path):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("FLEETC_CACHE_DIR", str(tmp_path))
     return tmp_path
+
+
+@pytest.fixture(scope="session")
+def cpu_kernel_cache(tmp_path_factory):
+    """One C++ kernel cache for the whole session: each distinct generated kernel compiles once."""
+    path = tmp_path_factory.mktemp("fleetc_cpu_kernels")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FLEETC_CACHE_DIR", str(path))
+        yield path

@@ -39,10 +39,10 @@ class DataParallelTrainer(CompiledTrainer):
     def __init__(self, model: nn.Module, strategy: Any = None, *, optimizer: torch.optim.Optimizer | None = None,
                  loss_fn: Callable | None = None, measure_memory: bool = False, verify: bool = False,
                  disable_passes: Iterable[str] = (), print_after: str | None = None,
-                 recompute_policy: RecomputePolicy | None = None):
+                 recompute_policy: RecomputePolicy | None = None, cpu_kernels: str | None = None):
         super().__init__(model, strategy, optimizer=optimizer, loss_fn=loss_fn, measure_memory=measure_memory,
                          verify=verify, disable_passes=disable_passes, print_after=print_after,
-                         recompute_policy=recompute_policy)
+                         recompute_policy=recompute_policy, cpu_kernels=cpu_kernels)
         self.world_size = env.world_size()
         self.mesh, mesh_notes = resolve_mesh(self.config, self.world_size)
         self.decisions += [f"process mesh {self.mesh}", *mesh_notes]

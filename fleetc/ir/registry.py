@@ -18,7 +18,9 @@ class OpDef:
     `kernels` maps a device type ("cuda") to the "module:function" that runs the op there with the
     reference's signature; `kernel_sources` names the "module:function" that lists the generated
     sources of one op, `(op, input Vars) -> [KernelSource]`, for `dump-ir --kernels`. Both are
-    imported on first use, so `import fleetc` never imports triton.
+    imported on first use, so `import fleetc` never imports triton. `cpu_kernel` names the op's planner in
+    the CPU backend (fleetc/codegen/cpu), `(op, input Vars) -> CpuPlan`: generated C++ kernels that the
+    runtime switches an op to per Program when the backend is on (CPU tensors otherwise run the reference).
     """
 
     name: str
@@ -26,20 +28,21 @@ class OpDef:
     summary: str
     kernels: dict[str, str] = field(default_factory=dict)
     kernel_sources: str | None = None
+    cpu_kernel: str | None = None
 
 
 _REGISTRY: dict[str, OpDef] = {}
 
 
 def register_op(name: str, summary: str, *, kernels: dict[str, str] | None = None,
-                kernel_sources: str | None = None) -> Callable[[Callable], Callable]:
+                kernel_sources: str | None = None, cpu_kernel: str | None = None) -> Callable[[Callable], Callable]:
     """Decorator: register `fn` as the reference semantics of op type `fleetc.<name>` (plus its device kernels)."""
 
     def wrap(fn: Callable) -> Callable:
         full = f"fleetc.{name}"
         if full in _REGISTRY:
             raise ValueError(f"op type {full!r} is registered twice")
-        _REGISTRY[full] = OpDef(full, fn, summary, dict(kernels or {}), kernel_sources)
+        _REGISTRY[full] = OpDef(full, fn, summary, dict(kernels or {}), kernel_sources, cpu_kernel)
         return fn
 
     return wrap

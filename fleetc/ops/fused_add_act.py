@@ -25,7 +25,8 @@ POINTWISE = {
 
 @register_op("fused_elemwise_add_act", "act(x + y) or x + act(y) in one op, also returning the intermediate",
              kernels={"cuda": "fleetc.codegen.triton.add_act:fused_elemwise_add_act"},
-             kernel_sources="fleetc.codegen.triton.add_act:add_act_sources")
+             kernel_sources="fleetc.codegen.triton.add_act:add_act_sources",
+             cpu_kernel="fleetc.codegen.cpu.elementwise:plan_add_act")
 def fused_elemwise_add_act(x: torch.Tensor, y: torch.Tensor, act_first: bool, act: str,
                            param: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """aten: `inter = add.Tensor(x, y); out = <act>(inter)`, or with `act_first`: `inter = <act>(y); out = add.Tensor(x, inter)`.
@@ -41,7 +42,8 @@ def fused_elemwise_add_act(x: torch.Tensor, y: torch.Tensor, act_first: bool, ac
 
 @register_op("fused_elemwise_add_act_grad", "gradient through the activation of a fused add+act",
              kernels={"cuda": "fleetc.codegen.triton.add_act:fused_elemwise_add_act_grad"},
-             kernel_sources="fleetc.codegen.triton.add_act:add_act_grad_sources")
+             kernel_sources="fleetc.codegen.triton.add_act:add_act_grad_sources",
+             cpu_kernel="fleetc.codegen.cpu.elementwise:plan_add_act_grad")
 def fused_elemwise_add_act_grad(dout: torch.Tensor, saved: torch.Tensor | None, act: str, param: Any) -> torch.Tensor:
     """aten: `<act>_backward(dout, saved)` (e.g. `threshold_backward(dout, out, 0)` for relu).
 
@@ -51,7 +53,8 @@ def fused_elemwise_add_act_grad(dout: torch.Tensor, saved: torch.Tensor | None, 
     return apply_grad(act, dout, saved, param)
 
 
-@register_op("fused_dropout_add", "dropout(x) + residual in one op, also returning the keep mask")
+@register_op("fused_dropout_add", "dropout(x) + residual in one op, also returning the keep mask",
+             cpu_kernel="fleetc.codegen.cpu.dropout:plan_dropout_add")
 def fused_dropout_add(x: torch.Tensor, residual: torch.Tensor, p: float, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """aten: `dropped, mask = native_dropout(x, p, train); out = add.Tensor(residual, dropped)`.
 
@@ -64,7 +67,8 @@ def fused_dropout_add(x: torch.Tensor, residual: torch.Tensor, p: float, train: 
     return aten.add.Tensor(residual, dropped), mask
 
 
-@register_op("fused_dropout_add_grad", "gradient of a fused dropout+add with respect to the dropped input")
+@register_op("fused_dropout_add_grad", "gradient of a fused dropout+add with respect to the dropped input",
+             cpu_kernel="fleetc.codegen.cpu.dropout:plan_dropout_add_grad")
 def fused_dropout_add_grad(dout: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """aten: `native_dropout_backward(dout, mask, scale)`; the residual's gradient is `dout` itself."""
     return aten.native_dropout_backward.default(dout, mask, scale)

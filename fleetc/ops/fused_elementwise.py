@@ -71,7 +71,8 @@ def reference(*inputs: torch.Tensor, steps: tuple, results: tuple) -> Any:
 
 @register_op("fused_elementwise", "a chain of pointwise aten ops with an optional trailing reduction, one kernel",
              kernels={"cuda": "fleetc.codegen.triton.launch:run_fused_elementwise"},
-             kernel_sources="fleetc.codegen.triton:fused_elementwise_sources")
+             kernel_sources="fleetc.codegen.triton:fused_elementwise_sources",
+             cpu_kernel="fleetc.codegen.cpu.elementwise:plan_fused_elementwise")
 def fused_elementwise(*inputs: torch.Tensor, steps: tuple, results: tuple, name: str) -> Any:
     """The reference path (CPU): the aten steps in order; CUDA tensors run the generated Triton kernel instead."""
     return compile_reference(steps, results, len(inputs))(*inputs)  # = reference(), one call layer less

@@ -13,7 +13,8 @@ aten = torch.ops.aten
 
 @register_op("fused_gemm_epilogue", "x @ w_t + bias, reshaped to the leading batch dims, then an activation",
              kernels={"cuda": "fleetc.codegen.triton.gemm:fused_gemm_epilogue"},
-             kernel_sources="fleetc.codegen.triton.gemm:fused_gemm_epilogue_sources")
+             kernel_sources="fleetc.codegen.triton.gemm:fused_gemm_epilogue_sources",
+             cpu_kernel="fleetc.codegen.cpu.gemm:plan_gemm_epilogue")
 def fused_gemm_epilogue(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor, out_shape: list | None,
                         act: str | None, param: Any, keep_pre_act: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """aten: `h = addmm(bias, x, w_t); h = view(h, out_shape)` (when given); `out = <act>(h)` (when given).
@@ -29,7 +30,8 @@ def fused_gemm_epilogue(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor, 
 
 @register_op("fused_gemm_epilogue_grad", "backward of fused_gemm_epilogue: dX, dW and dBias in one op",
              kernels={"cuda": "fleetc.codegen.triton.gemm:fused_gemm_epilogue_grad"},
-             kernel_sources="fleetc.codegen.triton.gemm:fused_gemm_epilogue_grad_sources")
+             kernel_sources="fleetc.codegen.triton.gemm:fused_gemm_epilogue_grad_sources",
+             cpu_kernel="fleetc.codegen.cpu.gemm:plan_gemm_epilogue_grad")
 def fused_gemm_epilogue_grad(dout: torch.Tensor, saved: torch.Tensor | None, x: torch.Tensor, w_t: torch.Tensor,
                              act: str | None, param: Any, output_mask: list) -> tuple[torch.Tensor | None, ...]:
     """aten: `g = <act>_backward(dout, saved)` (when an act); `g = view(g, [-1, n])`; `dx = mm(g, t(w_t))`;

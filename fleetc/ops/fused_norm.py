@@ -20,7 +20,8 @@ def _batch_norm(x, weight, bias, running_mean, running_var, training, momentum, 
 
 @register_op("fused_bn_act", "batch norm + activation; training updates the running statistics in place",
              kernels={"cuda": "fleetc.codegen.triton.norm:fused_bn_act"},
-             kernel_sources="fleetc.codegen.triton.norm:fused_bn_sources")
+             kernel_sources="fleetc.codegen.triton.norm:fused_bn_sources",
+             cpu_kernel="fleetc.codegen.cpu.norm:plan_bn_act")
 def fused_bn_act(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, running_mean: torch.Tensor,
                  running_var: torch.Tensor, training: bool, momentum: float, eps: float, act: str,
                  param: Any) -> tuple[torch.Tensor, ...]:
@@ -36,7 +37,8 @@ def fused_bn_act(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tenso
 
 @register_op("fused_bn_add_act", "batch norm + residual add + activation (ResNet block tail)",
              kernels={"cuda": "fleetc.codegen.triton.norm:fused_bn_add_act"},
-             kernel_sources="fleetc.codegen.triton.norm:fused_bn_sources")
+             kernel_sources="fleetc.codegen.triton.norm:fused_bn_sources",
+             cpu_kernel="fleetc.codegen.cpu.norm:plan_bn_add_act")
 def fused_bn_add_act(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                      running_mean: torch.Tensor, running_var: torch.Tensor, training: bool, momentum: float,
                      eps: float, act: str, param: Any) -> tuple[torch.Tensor, ...]:
@@ -48,7 +50,8 @@ def fused_bn_add_act(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
 
 @register_op("fused_bn_act_grad", "backward of fused_bn_act and fused_bn_add_act: dx, dweight, dbias, dresidual",
              kernels={"cuda": "fleetc.codegen.triton.norm:fused_bn_act_grad"},
-             kernel_sources="fleetc.codegen.triton.norm:fused_bn_sources")
+             kernel_sources="fleetc.codegen.triton.norm:fused_bn_sources",
+             cpu_kernel="fleetc.codegen.cpu.norm:plan_bn_act_grad")
 def fused_bn_act_grad(dout: torch.Tensor, saved: torch.Tensor | None, x: torch.Tensor, weight: torch.Tensor | None,
                       running_mean: torch.Tensor | None, running_var: torch.Tensor | None, save_mean: torch.Tensor | None,
                       save_rstd: torch.Tensor | None, training: bool, eps: float, output_mask: list, act: str,

@@ -12,7 +12,8 @@ import torch
 from fleetc.ir.registry import register_op
 
 
-@register_op("fused_sgd", "SGD (momentum, dampening, nesterov, weight decay) for a list of parameters at once")
+@register_op("fused_sgd", "SGD (momentum, dampening, nesterov, weight decay) for a list of parameters at once",
+             cpu_kernel="fleetc.codegen.cpu.optimizer:plan_fused_sgd")
 def fused_sgd(params: list, grads: list, momentum_buffers: list | None, lr: float, fresh: bool, momentum: float,
               dampening: float, nesterov: bool, weight_decay: float, maximize: bool) -> None:
     """aten, per parameter (as fleetc.sgd): `g = -g` (maximize); `g = g + wd * p`; `buf = g` (fresh) or
@@ -31,7 +32,8 @@ def fused_sgd(params: list, grads: list, momentum_buffers: list | None, lr: floa
     torch._foreach_add_(params, grads, alpha=-lr)
 
 
-@register_op("fused_adam", "Adam / AdamW for a list of parameters at once")
+@register_op("fused_adam", "Adam / AdamW for a list of parameters at once",
+             cpu_kernel="fleetc.codegen.cpu.optimizer:plan_fused_adam")
 def fused_adam(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, steps: list, lr: float, beta1: float,
                beta2: float, eps: float, weight_decay: float, decoupled_weight_decay: bool, maximize: bool) -> None:
     """aten, per parameter (as fleetc.adam): `step += 1`; weight decay (decoupled: `p *= 1 - lr * wd`, else

@@ -27,9 +27,10 @@ class GeneratedStep:
 
 
 class _Emitter:
-    def __init__(self, program: Program, measure_memory: bool):
+    def __init__(self, program: Program, measure_memory: bool, op_callables: dict[str, Callable]):
         self.program = program
         self.measure = measure_memory
+        self.op_callables = op_callables
         self.lines: list[str] = []
         self.globals: dict[str, Any] = {}
         self.local_names: dict[str, str] = {}
@@ -65,7 +66,13 @@ class _Emitter:
             return "{" + ", ".join(f"{k!r}: {self.expr(v)}" for k, v in value.items()) + "}"
         return self.constant(value)
 
-    def kernel(self, op_type: str) -> str:
+    def kernel(self, op: Op) -> str:
+        """The global a call to `op` goes through: its own callable when it has one, else its type's."""
+        if op.name in self.op_callables:
+            name = "k_op_" + self.local(op.name)
+            self.globals[name] = self.op_callables[op.name]
+            return name
+        op_type = op.type
         if op_type not in self.kernel_names:
             name = "k_" + re.sub(r"\W", "_", op_type)
             self.globals[name] = resolve_callable(op_type)
@@ -83,7 +90,7 @@ class _Emitter:
             if var is None or var.kind is VarKind.TEMP:
                 temps.append(self.local(name) if name else "_")
         call = ", ".join([self.expr(a) for a in op.args] + [f"{k}={self.expr(v)}" for k, v in op.kwargs.items()])
-        call = f"{self.kernel(op.type)}({call})"
+        call = f"{self.kernel(op)}({call})"
         if not temps:
             self.lines.append(f"{indent}{call}  # {op.name}")
         elif len(op.outputs) == 1 and len(temps) == 1:
@@ -127,9 +134,13 @@ class _Emitter:
         return "\n".join(self.lines) + "\n"
 
 
-def generate_step(program: Program, *, measure_memory: bool = False) -> GeneratedStep:
-    """Compile the Program into a Python function `step(state, feeds, mem) -> {fetch key: value}`."""
-    emitter = _Emitter(program, measure_memory)
+def generate_step(program: Program, *, measure_memory: bool = False,
+                  op_callables: dict[str, Callable] | None = None) -> GeneratedStep:
+    """Compile the Program into a Python function `step(state, feeds, mem) -> {fetch key: value}`.
+
+    `op_callables` maps op names to what runs them instead of their type's function (the CPU backend's
+    per-op kernels)."""
+    emitter = _Emitter(program, measure_memory, op_callables or {})
     source = emitter.generate()
     namespace = dict(emitter.globals)
     exec(compile(source, f"<fleetc step {program.metadata.get('kind', '')}>", "exec"), namespace)

@@ -13,12 +13,12 @@ import importlib.util
 import os
 import pathlib
 import sys
-import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
+from fleetc.codegen.cache import cache_root, write_atomic
 from fleetc.codegen.triton.kernel import KernelSource, generate_kernel
 from fleetc.ops.fused_elementwise import reference
 
@@ -28,9 +28,8 @@ REDUCTION_MAX_BLOCK_N = 512
 
 
 def cache_dir() -> pathlib.Path:
-    """Where generated kernels live: $FLEETC_CACHE_DIR, else ~/.cache/fleetc."""
-    root = os.environ.get("FLEETC_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "fleetc")
-    return pathlib.Path(root) / "triton"
+    """Where generated Triton kernels live: `triton/` in the kernel cache ($FLEETC_CACHE_DIR, else ~/.cache/fleetc)."""
+    return cache_root() / "triton"
 
 
 def interpreting() -> bool:
@@ -65,13 +64,9 @@ def load_kernel(kernel: KernelSource) -> Any:
     key = (kernel.source_hash, interpreting())
     if key in _MODULES:
         return _MODULES[key]
-    directory = cache_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{kernel.name}_{kernel.source_hash}.py"
+    path = cache_dir() / f"{kernel.name}_{kernel.source_hash}.py"
     if not path.exists() or path.read_text() != kernel.source:
-        with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False) as tmp:
-            tmp.write(kernel.source)
-        os.replace(tmp.name, path)  # atomic: concurrent processes never import half a file
+        write_atomic(path, kernel.source)
     module_name = f"fleetc_kernel_{kernel.name}_{kernel.source_hash}_{'interp' if key[1] else 'jit'}"
     spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)

@@ -1,0 +1,214 @@
+"""CPU step time: eager, torch.compile, fleetc without fusion and fleetc with fusion on the C++ CPU backend, interleaved.
+
+Run from the repository root: `PYTHONPATH=$PWD:$PWD/tests python bench/cpu_backend.py [--models ...] [--precision
+fp32,bf16] [--steps N] [--no-torch-compile]`. Every variant trains its own deep copy of one initialised model on the
+same batches; per batch every variant runs one step, in a rotating order, so machine noise lands on all alike; the
+median step is reported. bf16 is AMP: `torch.autocast("cpu", torch.bfloat16)` around eager/torch.compile's forward
+and loss, `strategy.amp = True` for fleetc. `--onednn-isa` runs one bf16 matmul under ONEDNN_VERBOSE in a
+subprocess and prints the ISA oneDNN dispatched it to (AMX shows as `avx512_core_amx`).
+
+Models: the zoo (tests/zoo.py), `bert` (pre-LN encoder classifier, d=256, 4 layers, 4 heads, seq 128, batch 8) and
+`resnet` (ResNet-style CNN, 3 stages of 2 residual blocks, 32-64-128 channels, 64x64 images, batch 16).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from zoo import OPTIMIZERS, ZOO, ZooEntry
+
+import fleetc
+from fleetc.passes.order import fusion_flags
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, dim: int, heads: int, dropout: float):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, c)
+        x = x + self.drop(self.proj(att))
+        return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
+
+
+class BertClassifier(nn.Module):
+    def __init__(self, vocab: int = 1000, dim: int = 256, layers: int = 4, heads: int = 4, seq: int = 128,
+                 classes: int = 4, dropout: float = 0.1):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
+        self.layers = nn.ModuleList(EncoderLayer(dim, heads, dropout) for _ in range(layers))
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.ln(x).mean(dim=1))
+
+
+class Block(nn.Module):
+    def __init__(self, c_in: int, c_out: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.down = None if stride == 1 and c_in == c_out else nn.Conv2d(c_in, c_out, 1, stride, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(h)) + (x if self.down is None else self.down(x)))
+
+
+class ResNet(nn.Module):
+    def __init__(self, classes: int = 10):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 32, 3, 1, 1, bias=False)
+        self.bn = nn.BatchNorm2d(32)
+        self.stages = nn.Sequential(Block(32, 32, 1), Block(32, 32, 1), Block(32, 64, 2), Block(64, 64, 1),
+                                    Block(64, 128, 2), Block(128, 128, 1))
+        self.head = nn.Linear(128, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.stages(F.relu(self.bn(self.stem(x)))).mean(dim=(2, 3)))
+
+
+LARGER = {
+    "bert": ZooEntry("bert", BertClassifier,
+                     lambda g: ((torch.randint(0, 1000, (8, 128), generator=g), torch.randint(0, 4, (8,), generator=g)),
+                                {}), F.cross_entropy),
+    "resnet": ZooEntry("resnet", ResNet,
+                       lambda g: ((torch.randn(16, 3, 64, 64, generator=g), torch.randint(0, 10, (16,), generator=g)),
+                                  {}), F.cross_entropy),
+}
+MODELS = {**ZOO, **LARGER}
+
+
+def fusion_strategy(fused: bool, amp: bool) -> fleetc.DistributedStrategy:
+    strategy = fleetc.DistributedStrategy()
+    strategy.amp = amp
+    for flag in fusion_flags():
+        setattr(strategy.build_strategy, flag, fused)
+    strategy.build_strategy.enable_auto_fusion = fused
+    return strategy
+
+
+def eager_step(model, optimizer, loss_fn, amp: bool, args, kwargs) -> torch.Tensor:
+    optimizer.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        loss = loss_fn(model(*args[:-1], **kwargs), args[-1]) if loss_fn else model(*args, **kwargs)["loss"]
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+def runners(entry: ZooEntry, optimizer: str, amp: bool, with_torch_compile: bool) -> tuple[dict[str, Callable], dict]:
+    torch.manual_seed(0)
+    base = entry.make_model()
+    made: dict[str, Callable] = {}
+    trainers = {}
+    model = copy.deepcopy(base)
+    opt = OPTIMIZERS[optimizer](model.parameters())
+    made["eager"] = lambda *a, **k: eager_step(model, opt, entry.loss_fn, amp, a, k)
+    if with_torch_compile:
+        t_model = copy.deepcopy(base)
+        t_opt = OPTIMIZERS[optimizer](t_model.parameters())
+        compiled = torch.compile(t_model)
+        made["torch.compile"] = lambda *a, **k: eager_step(compiled, t_opt, entry.loss_fn, amp, a, k)
+    for name, fused in (("fleetc", False), ("fleetc+cpu", True)):
+        f_model = copy.deepcopy(base)
+        trainer = fleetc.compile(f_model, fusion_strategy(fused, amp),
+                                 optimizer=OPTIMIZERS[optimizer](f_model.parameters()), loss_fn=entry.loss_fn,
+                                 cpu_kernels="sync" if fused else "off")
+        made[name], trainers[name] = trainer.step, trainer
+    return made, trainers
+
+
+def bench(entry: ZooEntry, optimizer: str, amp: bool, steps: int, warmup: int, with_torch_compile: bool) -> dict:
+    made, trainers = runners(entry, optimizer, amp, with_torch_compile)
+    g = torch.Generator().manual_seed(1)
+    batches = [entry.make_batch(g) for _ in range(warmup + steps)]
+    first = {}
+    for name, run in made.items():
+        start = time.perf_counter()
+        run(*batches[0][0], **batches[0][1])
+        first[name] = time.perf_counter() - start
+    for args, kwargs in batches[1:warmup]:
+        for run in made.values():
+            run(*args, **kwargs)
+    times: dict[str, list[float]] = {name: [] for name in made}
+    names = list(made)
+    for i, (args, kwargs) in enumerate(batches[warmup:]):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            start = time.perf_counter()
+            made[name](*args, **kwargs)
+            times[name].append(time.perf_counter() - start)
+    usage = trainers["fleetc+cpu"].report().kernels
+    ran = [usage.implementation(n) for n in usage.ops]
+    return {"ms": {k: 1e3 * statistics.median(v) for k, v in times.items()}, "first_s": first,
+            "kernels": f"{ran.count('kernel')}/{len(ran)}",
+            "compile_s": trainers["fleetc+cpu"].report().compile_seconds}
+
+
+def onednn_isa() -> str:
+    """The oneDNN implementation a bf16 matmul (as AMP's addmm runs it) dispatches to, from ONEDNN_VERBOSE."""
+    code = ("import torch; a = torch.randn(256, 256).bfloat16(); b = torch.randn(256, 256).bfloat16(); "
+            "c = torch.randn(256).bfloat16(); torch.addmm(c, a, b); torch.mm(a, b)")
+    env = {**os.environ, "ONEDNN_VERBOSE": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120).stdout
+    lines = [line for line in out.splitlines() if ",exec," in line and ("matmul" in line or "gemm" in line)]
+    isa = [line for line in out.splitlines() if "cpu,runtime" in line or "isa:" in line]
+    return "\n".join(isa[:2] + lines[:4]) or "no oneDNN primitive ran (the bf16 matmul went to another library)"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="mlp,cnn,gpt,bert,resnet")
+    parser.add_argument("--precision", default="fp32,bf16")
+    parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS))
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--no-torch-compile", action="store_true")
+    parser.add_argument("--onednn-isa", action="store_true")
+    opts = parser.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, optimizer {opts.optimizer}, "
+          f"median of {opts.steps} interleaved steps after {opts.warmup} warmup")
+    if opts.onednn_isa:
+        print("oneDNN on a bf16 addmm/mm:\n" + onednn_isa())
+    with_tc = not opts.no_torch_compile
+    header = ["model", "precision", "eager ms", "fleetc ms", "fleetc+cpu ms", "fleetc+cpu/eager", "fleetc+cpu/fleetc"]
+    header += ["t.compile ms", "fleetc+cpu/t.compile"] if with_tc else []
+    header += ["kernels ran", "compile s (sync)"]
+    print("| " + " | ".join(header) + " |\n|" + "---|" * len(header), flush=True)
+    for name in opts.models.split(","):
+        for precision in opts.precision.split(","):
+            r = bench(MODELS[name], opts.optimizer, precision == "bf16", opts.steps, max(1, opts.warmup), with_tc)
+            ms = r["ms"]
+            row = [name, precision, f"{ms['eager']:.2f}", f"{ms['fleetc']:.2f}", f"{ms['fleetc+cpu']:.2f}",
+                   f"{ms['fleetc+cpu'] / ms['eager']:.2f}x", f"{ms['fleetc+cpu'] / ms['fleetc']:.2f}x"]
+            if with_tc:
+                row += [f"{ms['torch.compile']:.2f}", f"{ms['fleetc+cpu'] / ms['torch.compile']:.2f}x"]
+            row += [r["kernels"], f"{r['compile_s']:.2f}"]
+            print("| " + " | ".join(row) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
