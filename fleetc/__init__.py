@@ -9,12 +9,14 @@ from fleetc.errors import (
     CaptureError,
     CheckpointError,
     CollectiveError,
+    ExportError,
     FleetcError,
     PassError,
     StrategyError,
     UnsupportedOptimizerError,
     VerificationError,
 )
+from fleetc.fleet.inference import load_inference_model
 from fleetc.ir.program import Block, Op, OpRole, Program, Var, VarKind
 from fleetc.report import CompileReport
 from fleetc.strategy import (
@@ -28,7 +30,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Block", "BuildStrategy", "CaptureError", "CheckpointError", "CollectiveError", "CompileReport",
-    "CompiledTrainer", "DistributedStrategy",
-    "ExecutionStrategy", "FleetcError", "Op", "OpRole", "PassError", "Program", "Strategy", "StrategyError",
-    "UnsupportedOptimizerError", "Var", "VarKind", "VerificationError", "compile", "device_guard",
+    "CompiledTrainer", "DistributedStrategy", "ExecutionStrategy", "ExportError", "FleetcError", "Op", "OpRole",
+    "PassError", "Program", "Strategy", "StrategyError", "UnsupportedOptimizerError", "Var", "VarKind",
+    "VerificationError", "compile", "device_guard", "load_inference_model",
 ]

@@ -39,3 +39,8 @@ class PassStrategyError(StrategyError, PassError):
 
 class CommandError(FleetcError):
     """A problem with a `fleetc` command's inputs: reported as one line, exit status 2."""
+
+
+class ExportError(FleetcError):
+    """A model could not be exported for inference: an unknown input or target name, an unwritable directory, an
+    unsupported construct; names the problem and where."""

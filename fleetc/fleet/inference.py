@@ -1,0 +1,345 @@
+"""Saving the trained model for deployment as a torch.export artifact, and loading it back.
+
+`save_inference_model` exports the trainer's eval Program: fleetc's ops lowered to aten, pruned to the targets,
+with the trained weights. The directory holds `model.pt2` (float32), under `use_pure_fp16` also
+`model.<dtype>.pt2` (the training dtype), and `meta.json`; any PyTorch process loads the `.pt2` files with
+`torch.export.load`, no fleetc needed.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+import os
+import secrets
+import shutil
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import TreeSpec, tree_flatten
+
+from fleetc.compiler import CompiledTrainer
+from fleetc.errors import ExportError
+from fleetc.ir.liveness import estimate_memory
+from fleetc.ir.program import Program, VarKind
+from fleetc.passes.base import PassReport
+from fleetc.passes.export import LowerToAten, PruneToTargets
+from fleetc.passes.export.prune import WHOLE_OUTPUT, resolve_targets
+from fleetc.passes.instruments import VerifyInstrument
+from fleetc.passes.manager import History, PassManager, PassRecord
+from fleetc.passes.order import strategy_requests_without_pass
+from fleetc.runtime.export import ExportedModel, export_program
+from fleetc.strategy.names import closest
+
+MODEL_FILE = "model.pt2"
+META_FILE = "meta.json"
+FORMAT = "fleetc-inference"
+FORMAT_VERSION = 1
+FLOAT32 = "float32"
+
+
+@dataclass
+class Artifact:
+    """One exported precision: its file, the export passes' history (eval Program first) and the exported model."""
+
+    dtype: str
+    file: str
+    history: History
+    model: ExportedModel
+
+    @property
+    def program(self) -> Program:
+        """The Program that was exported: lowered to aten and pruned."""
+        return self.history[-1].program
+
+
+@dataclass
+class InferenceExport:
+    """What `save_inference_model` wrote into `dirname`: one artifact per precision, and meta.json's content."""
+
+    dirname: str
+    artifacts: list[Artifact]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def target_names(self) -> list[str]:
+        """The fetched names, in output order (what Paddle's save_inference_model returns)."""
+        return list(self.artifacts[0].program.fetches)
+
+
+def names(value: str | Sequence[str] | None, what: str) -> list[str]:
+    names = [value] if isinstance(value, str) else list(value or [])
+    bad = [n for n in names if not isinstance(n, str)]
+    if bad or not names:
+        raise ExportError(f"{what} must be a name or a list of names (strings), got {value!r}")
+    return names
+
+
+def check_feed_names(model: nn.Module, feeds: Sequence[str]) -> None:
+    """Every feed names an argument of `model.forward`."""
+    try:
+        params = [p.name for p in inspect.signature(model.forward).parameters.values()
+                  if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    except (TypeError, ValueError):
+        return
+    for name in feeds:
+        if name not in params:
+            hint = closest(name, params)
+            raise ExportError(f"feeded_var_names: {name!r} is not an argument of {type(model).__name__}.forward"
+                              + (f"; did you mean {hint!r}?" if hint else "") + f" (arguments: {', '.join(params)})")
+
+
+def named_inputs(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """`model(*args, **kwargs)`'s arguments by `forward` argument name."""
+    params = [p.name for p in inspect.signature(model.forward).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(args) > len(params):
+        raise ExportError(f"{type(model).__name__}.forward takes {len(params)} named positional arguments, but "
+                          f"{len(args)} example inputs were given; export feeds inputs by argument name")
+    return {**dict(zip(params, args)), **kwargs}
+
+
+def check_writable(dirname: str) -> None:
+    """Fail before exporting when `dirname` cannot be created or replaced."""
+    parent = os.path.dirname(os.path.abspath(dirname)) or "."
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as exc:
+        raise ExportError(f"cannot write the inference model to {dirname!r}: {exc}") from None
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ExportError(f"cannot write the inference model to {dirname!r}: {parent!r} is not writable")
+    if os.path.exists(dirname) and not os.path.isdir(dirname):
+        raise ExportError(f"cannot write the inference model to {dirname!r}: it exists and is not a directory")
+
+
+def _example_inputs(trainer: CompiledTrainer, feeds: list[str]) -> dict[str, torch.Tensor]:
+    """Zero tensors for `feeds`, shaped like the inputs of the last eval (else training) step."""
+    programs = []
+    for latest in ("eval_program", "program"):
+        try:
+            programs.append(getattr(trainer, latest))
+        except RuntimeError:  # nothing compiled of that kind yet
+            pass
+    if not programs:
+        raise ExportError("nothing compiled yet: train a step (or call the trainer on inputs) before exporting, "
+                          "so fleetc knows the inputs' shapes and dtypes")
+    inputs = {}
+    for name in feeds:
+        var = next((p.var(name) for p in programs if name in p.feeds), None)
+        if var is None:
+            known = list(dict.fromkeys(n for p in programs for n in p.feeds))
+            raise ExportError(f"feeded_var_names: {name!r} was never fed to the model, so its shape is unknown "
+                              f"(inputs seen: {', '.join(known)}); call the trainer with it once")
+        if var.shape is None:
+            raise ExportError(f"feeded_var_names: {name!r} is a Python {var.dtype} value; export takes tensors")
+        inputs[name] = torch.zeros(var.shape, dtype=var.torch_dtype, device=var.device)
+    return inputs
+
+
+def _eval_program(trainer: CompiledTrainer, inputs: Mapping[str, torch.Tensor]) -> tuple[Program, TreeSpec]:
+    """The trainer's eval Program for exactly these inputs (compiled once, then cached), and its output spec."""
+    out = trainer(**inputs)
+    return trainer.eval_program, tree_flatten(out)[1]
+
+
+def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and buffers by the names the Program uses (the first name of a tied weight)."""
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+
+def full_weights(trainer: CompiledTrainer, notes: list[str]) -> dict[str, torch.Tensor]:
+    """The complete trained weights. The hook where sharding stage 3 and pipeline parallelism gather the parts each
+    rank holds: until their passes exist, those flags are not applied and every rank holds the whole model."""
+    config = trainer.config
+    partitioning = {"sharding": config.sharding and config.sharding_configs.stage >= 3, "pipeline": config.pipeline}
+    pending = strategy_requests_without_pass(config)
+    for name, on in partitioning.items():
+        if not on:
+            continue
+        if name not in pending:
+            raise ExportError(f"save_inference_model under {name}: each rank holds part of the weights, and "
+                              "gathering them for export is not implemented yet")
+        notes.append(f"{name} was not applied in training ({pending[name]}), so the weights are complete on "
+                     "every rank")
+    return model_state(trainer.model)
+
+
+def _float32_trainer(trainer: CompiledTrainer) -> tuple[CompiledTrainer, dict[str, torch.Tensor]]:
+    """A trainer compiling the same eval Program without AMP, on float32 weights (pure fp16: the master weights)."""
+    config = trainer.config.replace({"amp": False})
+    model = trainer.model
+    masters = {}
+    if trainer.optimizer is not None:
+        for name, param in model.named_parameters():
+            master = trainer.optimizer.state.get(param, {}).get("master_weight")
+            if master is not None:
+                masters[name] = master
+    if masters or any(p.dtype != torch.float32 for p in model.parameters() if p.is_floating_point()):
+        model = copy.deepcopy(model)
+        for name, param in model.named_parameters():
+            param.data = masters[name].detach().clone() if name in masters else param.data.float()
+    fp32 = CompiledTrainer(model, config, verify=trainer.verify, disable_passes=trainer.disable_passes)
+    return fp32, model_state(model)
+
+
+def _training_dtype(program: Program) -> str | None:
+    """The low-precision dtype of a pure-fp16 eval Program's parameters."""
+    dtypes = [v.dtype for v in program.persistables() if v.kind is VarKind.PARAM and v.dtype != FLOAT32]
+    return max(set(dtypes), key=dtypes.count) if dtypes else None
+
+
+def export_passes(program: Program, config: Any, fetches: dict[str, str], feeds: list[str],
+                  prune: bool) -> History:
+    """The eval Program, then after lowering to aten and pruning to `fetches`, each verified."""
+    history = History([PassRecord("eval", program, PassReport("eval", stats={"ops": program.num_ops()}), 0.0,
+                                  estimate_memory(program))])
+    manager = PassManager([LowerToAten(), PruneToTargets(fetches, feeds, prune)], [VerifyInstrument()])
+    manager.run(program, config, history)
+    return history
+
+
+def _export_artifact(program: Program, state: Mapping[str, torch.Tensor], out_spec: TreeSpec | None, *,
+                     config: Any, feeds: list[str], targets: list[str], prune: bool, dtype: str,
+                     dynamic_batch: bool) -> Artifact:
+    missing = [name for name in feeds if name not in program.feeds]
+    if missing:
+        hint = closest(missing[0], program.feeds)
+        raise ExportError(f"feeded_var_names: {missing[0]!r} is not an input of the eval Program"
+                          + (f"; did you mean {hint!r}?" if hint else "") + f" (inputs: {', '.join(program.feeds)})")
+    fetches = resolve_targets(program, targets)
+    history = export_passes(program, config, fetches, feeds, prune)
+    final = history[-1].program
+    if final.feeds != feeds:
+        raise ExportError(f"target_vars {targets} need the input {final.feeds[len(feeds)]!r}, which is not in "
+                          f"feeded_var_names {feeds}")
+    whole = targets == [WHOLE_OUTPUT] and out_spec is not None
+    exported = export_program(final, state, out_spec=out_spec if whole else None, dynamic_batch=dynamic_batch)
+    file = MODEL_FILE if dtype == FLOAT32 else f"model.{dtype}.pt2"
+    return Artifact(dtype, file, history, exported)
+
+
+def _value_meta(program: Program, name: str, dynamic: Mapping[int, str]) -> dict[str, Any]:
+    var = program.var(name)
+    shape = [dynamic.get(i, d) for i, d in enumerate(var.shape)] if var.shape is not None else None
+    return {"shape": shape, "dtype": var.dtype}
+
+
+def _meta(trainer: CompiledTrainer, artifacts: list[Artifact], prune: bool, notes: list[str]) -> dict[str, Any]:
+    import fleetc  # the version lives on the package (imported here: fleetc/__init__ imports this module)
+
+    main = artifacts[0]
+    program, dynamic = main.program, main.model.dynamic_dims
+    inputs = [{"name": name, **_value_meta(program, name, dynamic.get(name, {})),
+               "dynamic_dims": {str(i): d for i, d in dynamic.get(name, {}).items()}} for name in program.feeds]
+    outputs = [{"name": key, "value": var, **_value_meta(program, var, {})} for key, var in program.fetches.items()]
+    return {
+        "format": FORMAT, "format_version": FORMAT_VERSION,
+        "fleetc_version": fleetc.__version__, "torch_version": torch.__version__,
+        "files": {a.dtype: a.file for a in artifacts},
+        "inputs": inputs, "outputs": outputs, "pruned": prune,
+        "ops": {"eval_program": main.history[0].program.num_ops(), "exported": program.num_ops()},
+        "strategy": trainer.config.to_dict(),
+        "notes": notes + [note for a in artifacts for note in a.model.notes],
+    }
+
+
+def write_directory(dirname: str, writers: Mapping[str, Callable[[str], None]]) -> None:
+    """Write every file into a temporary directory beside `dirname`, then rename it into place, so readers see the
+    old directory or the complete new one. (The checkpoints' write-then-rename; it moves to the shared crash-safe
+    commit when that lands.)"""
+    target = os.path.abspath(dirname)
+    parent = os.path.dirname(target)
+    temporary = os.path.join(parent, f".{os.path.basename(target)}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        os.makedirs(parent, exist_ok=True)
+        os.mkdir(temporary)
+        for name, write in writers.items():
+            write(os.path.join(temporary, name))
+        previous = None
+        if os.path.exists(target):
+            previous = temporary + ".old"
+            os.replace(target, previous)
+        os.replace(temporary, target)
+        if previous is not None:
+            shutil.rmtree(previous)
+    except OSError as exc:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise ExportError(f"cannot write the inference model to {dirname!r}: {exc}") from None
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+
+
+def save_inference_model(trainer: CompiledTrainer, dirname: str, feeded_var_names: str | Sequence[str],
+                         target_vars: str | Sequence[str] | None = None, main_program: Program | None = None,
+                         export_for_deployment: bool = True, *, inputs: Mapping[str, torch.Tensor] | None = None,
+                         dynamic_batch: bool = True) -> InferenceExport:
+    """Export `trainer`'s model for inference into `dirname` (one process; `fleet.save_inference_model` picks the
+    rank). `inputs` gives example inputs by name (default: zeros shaped like the last step's)."""
+    feeds = names(feeded_var_names, "feeded_var_names")
+    targets = names(target_vars if target_vars is not None else WHOLE_OUTPUT, "target_vars")
+    check_feed_names(trainer.model, feeds)
+    check_writable(dirname)
+    notes: list[str] = []
+    state = full_weights(trainer, notes)
+    prune = export_for_deployment
+    options = dict(config=trainer.config, feeds=feeds, targets=targets, prune=prune, dynamic_batch=dynamic_batch)
+    if main_program is not None:
+        if main_program.metadata.get("kind") != "eval":
+            raise ExportError("main_program must be an eval Program (trainer.eval_program), not a "
+                              f"{main_program.metadata.get('kind', 'unknown')} Program")
+        artifacts = [_export_artifact(main_program, state, None, dtype=FLOAT32, **options)]
+    else:
+        example = dict(inputs) if inputs is not None else _example_inputs(trainer, feeds)
+        config = trainer.config
+        fp32_trainer, fp32_state = _float32_trainer(trainer) if config.amp else (trainer, state)
+        program, spec = _eval_program(fp32_trainer, example)
+        artifacts = [_export_artifact(program, fp32_state, spec, dtype=FLOAT32, **options)]
+        if config.amp and config.amp_configs.use_pure_fp16:
+            program, spec = _eval_program(trainer, example)
+            dtype = _training_dtype(program) or FLOAT32
+            artifacts.append(_export_artifact(program, state, spec, dtype=dtype, **options))
+    result = InferenceExport(dirname, artifacts, _meta(trainer, artifacts, prune, notes))
+    for note in result.meta["notes"]:
+        warnings.warn(f"save_inference_model: {note}", stacklevel=3)
+    meta_text = json.dumps(result.meta, indent=1, sort_keys=True) + "\n"
+    writers: dict[str, Callable[[str], None]] = {
+        a.file: (lambda path, a=a: torch.export.save(a.model.exported, path)) for a in artifacts}
+    writers[META_FILE] = lambda path: _write_text(path, meta_text)
+    write_directory(dirname, writers)
+    return result
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(text)
+
+
+def read_meta(dirname: str) -> dict[str, Any]:
+    """meta.json of an inference directory, checked to be one fleetc wrote."""
+    path = os.path.join(dirname, META_FILE)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            meta = json.load(handle)
+    except FileNotFoundError:
+        raise ExportError(f"{dirname!r} is not a fleetc inference model: it has no {META_FILE}") from None
+    except (OSError, ValueError) as exc:
+        raise ExportError(f"cannot read {path!r}: {exc}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ExportError(f"{path!r} was not written by fleetc.save_inference_model")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ExportError(f"{path!r} has format version {meta.get('format_version')!r}; this fleetc reads "
+                          f"version {FORMAT_VERSION}")
+    return meta
+
+
+def load_inference_model(dirname: str, dtype: str = FLOAT32) -> nn.Module:
+    """The exported model in `dirname` as a callable module (`torch.export.load(...).module()`), in `dtype`."""
+    files = read_meta(dirname)["files"]
+    if dtype not in files:
+        raise ExportError(f"{dirname!r} holds no {dtype} model (precisions: {', '.join(files)})")
+    return torch.export.load(os.path.join(dirname, files[dtype])).module()
