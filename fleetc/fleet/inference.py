@@ -8,6 +8,7 @@ with the trained weights. The directory holds `model.pt2` (float32), under `use_
 from __future__ import annotations
 
 import copy
+import importlib.metadata
 import inspect
 import json
 import os
@@ -229,8 +230,6 @@ def _value_meta(program: Program, name: str, dynamic: Mapping[int, str]) -> dict
 
 
 def _meta(trainer: CompiledTrainer, artifacts: list[Artifact], prune: bool, notes: list[str]) -> dict[str, Any]:
-    import fleetc  # the version lives on the package (imported here: fleetc/__init__ imports this module)
-
     main = artifacts[0]
     program, dynamic = main.program, main.model.dynamic_dims
     inputs = [{"name": name, **_value_meta(program, name, dynamic.get(name, {})),
@@ -238,7 +237,7 @@ def _meta(trainer: CompiledTrainer, artifacts: list[Artifact], prune: bool, note
     outputs = [{"name": key, "value": var, **_value_meta(program, var, {})} for key, var in program.fetches.items()]
     return {
         "format": FORMAT, "format_version": FORMAT_VERSION,
-        "fleetc_version": fleetc.__version__, "torch_version": torch.__version__,
+        "fleetc_version": importlib.metadata.version("fleetc"), "torch_version": torch.__version__,
         "files": {a.dtype: a.file for a in artifacts},
         "inputs": inputs, "outputs": outputs, "pruned": prune,
         "ops": {"eval_program": main.history[0].program.num_ops(), "exported": program.num_ops()},
