@@ -32,7 +32,7 @@ from fleetc.passes.export import LowerToAten, PruneToTargets
 from fleetc.passes.export.prune import WHOLE_OUTPUT, resolve_targets
 from fleetc.passes.instruments import VerifyInstrument
 from fleetc.passes.manager import History, PassManager, PassRecord
-from fleetc.passes.order import strategy_requests_without_pass
+from fleetc.passes.order import ordered_passes, strategy_requests_without_pass
 from fleetc.runtime.export import ExportedModel, export_program
 from fleetc.strategy.names import closest
 
@@ -169,22 +169,37 @@ def full_weights(trainer: CompiledTrainer, notes: list[str]) -> dict[str, torch.
     return model_state(trainer.model)
 
 
-def _float32_trainer(trainer: CompiledTrainer) -> tuple[CompiledTrainer, dict[str, torch.Tensor]]:
-    """A trainer compiling the same eval Program without AMP, on float32 weights (pure fp16: the master weights)."""
-    config = trainer.config.replace({"amp": False})
+def _float32_model(trainer: CompiledTrainer) -> nn.Module:
+    """The trainer's model with float32 weights: itself, or (pure fp16) a copy holding the master weights."""
     model = trainer.model
-    masters = {}
-    if trainer.optimizer is not None:
-        for name, param in model.named_parameters():
-            master = trainer.optimizer.state.get(param, {}).get("master_weight")
-            if master is not None:
-                masters[name] = master
-    if masters or any(p.dtype != torch.float32 for p in model.parameters() if p.is_floating_point()):
-        model = copy.deepcopy(model)
-        for name, param in model.named_parameters():
-            param.data = masters[name].detach().clone() if name in masters else param.data.float()
-    fp32 = CompiledTrainer(model, config, verify=trainer.verify, disable_passes=trainer.disable_passes)
-    return fp32, model_state(model)
+    if all(p.dtype == torch.float32 for p in model.parameters() if p.is_floating_point()):
+        return model
+    state = trainer.optimizer.state if trainer.optimizer is not None else {}
+    masters = {name: state[p]["master_weight"] for name, p in model.named_parameters()
+               if "master_weight" in state.get(p, {})}
+    model = copy.deepcopy(model)
+    for name, param in model.named_parameters():
+        param.data = masters[name].detach().clone() if name in masters else param.data.float()
+    return model
+
+
+def fusion_pass_names(config: Any) -> list[str]:
+    """The fusion passes `config` runs: a fused op's module path is its first op's, so it hides module outputs."""
+    return [p.name for p in ordered_passes(config) if type(p).__module__.startswith("fleetc.passes.fusion.")]
+
+
+def _eval_trainer(trainer: CompiledTrainer, state: dict[str, torch.Tensor], *, float32: bool,
+                  unfused: bool) -> tuple[CompiledTrainer, dict[str, torch.Tensor]]:
+    """The trainer whose eval Program is exported, and its weights: `trainer` itself, or one compiling the same
+    model without AMP (`float32`, on float32 weights) or without the fusion passes (`unfused`)."""
+    without_amp = float32 and trainer.config.amp
+    if not without_amp and not unfused:
+        return trainer, state
+    config = trainer.config.replace({"amp": False}) if without_amp else trainer.config
+    model = _float32_model(trainer) if without_amp else trainer.model
+    disabled = [*trainer.disable_passes, *(fusion_pass_names(config) if unfused else [])]
+    exporter = CompiledTrainer(model, config, verify=trainer.verify, disable_passes=disabled)
+    return exporter, (model_state(model) if model is not trainer.model else state)
 
 
 def _training_dtype(program: Program) -> str | None:
@@ -229,7 +244,8 @@ def _value_meta(program: Program, name: str, dynamic: Mapping[int, str]) -> dict
     return {"shape": shape, "dtype": var.dtype}
 
 
-def _meta(trainer: CompiledTrainer, artifacts: list[Artifact], prune: bool, notes: list[str]) -> dict[str, Any]:
+def _meta(trainer: CompiledTrainer, artifacts: list[Artifact], prune: bool, notes: list[str],
+          fusion_skipped: list[str]) -> dict[str, Any]:
     main = artifacts[0]
     program, dynamic = main.program, main.model.dynamic_dims
     inputs = [{"name": name, **_value_meta(program, name, dynamic.get(name, {})),
@@ -241,6 +257,7 @@ def _meta(trainer: CompiledTrainer, artifacts: list[Artifact], prune: bool, note
         "files": {a.dtype: a.file for a in artifacts},
         "inputs": inputs, "outputs": outputs, "pruned": prune,
         "ops": {"eval_program": main.history[0].program.num_ops(), "exported": program.num_ops()},
+        "fusion_passes_skipped": fusion_skipped,
         "strategy": trainer.config.to_dict(),
         "notes": notes + [note for a in artifacts for note in a.model.notes],
     }
@@ -273,6 +290,24 @@ def write_directory(dirname: str, writers: Mapping[str, Callable[[str], None]]) 
         raise
 
 
+def _trained_artifacts(trainer: CompiledTrainer, state: dict[str, torch.Tensor], example: dict[str, torch.Tensor],
+                       targets: list[str], options: dict[str, Any]) -> tuple[list[Artifact], list[str]]:
+    """The float32 artifact (and under pure fp16 the training-dtype one) from the trainer's eval Program; and the
+    fusion passes left out of it."""
+    # A fused op carries its first op's module path, so it would hide a module's own output (a Linear's, before
+    # the activation fused into it): with a module target the exported Program is compiled without fusion.
+    unfused = any(target in dict(trainer.model.named_modules()) for target in targets if target)
+    exporter, exporter_state = _eval_trainer(trainer, state, float32=True, unfused=unfused)
+    program, spec = _eval_program(exporter, example)
+    artifacts = [_export_artifact(program, exporter_state, spec, dtype=FLOAT32, **options)]
+    if trainer.config.amp and trainer.config.amp_configs.use_pure_fp16:
+        exporter, exporter_state = _eval_trainer(trainer, state, float32=False, unfused=unfused)
+        program, spec = _eval_program(exporter, example)
+        dtype = _training_dtype(program) or FLOAT32
+        artifacts.append(_export_artifact(program, exporter_state, spec, dtype=dtype, **options))
+    return artifacts, fusion_pass_names(trainer.config) if unfused else []
+
+
 def save_inference_model(trainer: CompiledTrainer, dirname: str, feeded_var_names: str | Sequence[str],
                          target_vars: str | Sequence[str] | None = None, main_program: Program | None = None,
                          export_for_deployment: bool = True, *, inputs: Mapping[str, torch.Tensor] | None = None,
@@ -285,32 +320,25 @@ def save_inference_model(trainer: CompiledTrainer, dirname: str, feeded_var_name
     check_writable(dirname)
     notes: list[str] = []
     state = full_weights(trainer, notes)
-    prune = export_for_deployment
-    options = dict(config=trainer.config, feeds=feeds, targets=targets, prune=prune, dynamic_batch=dynamic_batch)
+    options = dict(config=trainer.config, feeds=feeds, targets=targets, prune=export_for_deployment,
+                   dynamic_batch=dynamic_batch)
     if main_program is not None:
         if main_program.metadata.get("kind") != "eval":
             raise ExportError("main_program must be an eval Program (trainer.eval_program), not a "
                               f"{main_program.metadata.get('kind', 'unknown')} Program")
-        artifacts = [_export_artifact(main_program, state, None, dtype=FLOAT32, **options)]
+        artifacts, skipped = [_export_artifact(main_program, state, None, dtype=FLOAT32, **options)], []
     else:
         example = dict(inputs) if inputs is not None else _example_inputs(trainer, feeds)
-        config = trainer.config
-        fp32_trainer, fp32_state = _float32_trainer(trainer) if config.amp else (trainer, state)
-        program, spec = _eval_program(fp32_trainer, example)
-        artifacts = [_export_artifact(program, fp32_state, spec, dtype=FLOAT32, **options)]
-        if config.amp and config.amp_configs.use_pure_fp16:
-            program, spec = _eval_program(trainer, example)
-            dtype = _training_dtype(program) or FLOAT32
-            artifacts.append(_export_artifact(program, state, spec, dtype=dtype, **options))
-    result = InferenceExport(dirname, artifacts, _meta(trainer, artifacts, prune, notes))
-    for note in result.meta["notes"]:
+        artifacts, skipped = _trained_artifacts(trainer, state, example, targets, options)
+    meta = _meta(trainer, artifacts, export_for_deployment, notes, skipped)
+    for note in meta["notes"]:
         warnings.warn(f"save_inference_model: {note}", stacklevel=3)
-    meta_text = json.dumps(result.meta, indent=1, sort_keys=True) + "\n"
+    meta_text = json.dumps(meta, indent=1, sort_keys=True) + "\n"
     writers: dict[str, Callable[[str], None]] = {
         a.file: (lambda path, a=a: torch.export.save(a.model.exported, path)) for a in artifacts}
     writers[META_FILE] = lambda path: _write_text(path, meta_text)
     write_directory(dirname, writers)
-    return result
+    return InferenceExport(dirname, artifacts, meta)
 
 
 def _write_text(path: str, text: str) -> None:

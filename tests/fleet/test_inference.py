@@ -131,6 +131,15 @@ def test_main_program_and_existing_directory_are_replaced_atomically(tmp_path):
     assert result.target_names == ["fc2"] and result.meta["outputs"][0]["name"] == "fc2"
 
 
+def test_a_module_target_is_its_own_output_even_when_fusion_merged_it_with_the_activation(tmp_path):
+    trainer, (x,), _ = trained(ZOO["mlp"], fusion_strategy())
+    trainer(x)
+    assert trainer.eval_program.global_block.ops[1].type == "fleetc.fused_gemm_epilogue"  # fc1 + relu in one op
+    result = inference.save_inference_model(trainer, str(tmp_path / "fc1"), "x", "fc1")
+    assert "fuse_gemm_epilogue" in result.meta["fusion_passes_skipped"]
+    torch.testing.assert_close(fleetc.load_inference_model(result.dirname)(x), eager_eval(trainer.model.fc1, x))
+
+
 def test_unknown_feed_name_names_the_forward_arguments(tmp_path):
     trainer, _, _ = trained(ZOO["gpt"], steps=1)
     with pytest.raises(fleetc.ExportError, match=r"'ids' is not an argument of TinyGPT.forward; did you mean 'idx'"):
