@@ -18,7 +18,7 @@ from torch import nn
 import fleetc
 from fleetc.codegen.triton import format_kernels
 from fleetc.errors import CommandError, ExportError, FleetcError
-from fleetc.fleet import inference
+from fleetc.fleet import export_sources, inference
 from fleetc.fleet.launch import add_run_command
 from fleetc.ir.liveness import MemoryEstimate
 from fleetc.ir.serialize import program_to_json, to_dict
@@ -234,11 +234,11 @@ def export(options: argparse.Namespace) -> int:
     strategy = _load_strategy(options.strategy) if options.strategy else spec.strategy
     args = spec.args[:-1] if spec.loss_fn is not None else spec.args
     try:
-        inputs = inference.named_inputs(spec.model, args, spec.kwargs)
+        inputs = export_sources.named_inputs(spec.model, args, spec.kwargs)
         feeds = options.feed or list(inputs)
         unknown = [name for name in feeds if name not in inputs]
         if unknown:
-            inference.check_feed_names(spec.model, unknown)
+            export_sources.check_feed_names(spec.model, unknown)
             raise CommandError(f"--feed {unknown[0]!r}: the factory gives no example input of that name "
                                f"(inputs: {', '.join(inputs)})")
         inference.check_writable(options.out)

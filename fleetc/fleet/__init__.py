@@ -33,5 +33,6 @@ __all__ = [
     "BuildStrategy", "DistributedOptimizer", "DistributedStrategy", "ExecutionStrategy", "Fleet",
     "PaddleCloudRoleMaker", "Strategy", "UserDefinedRoleMaker", "barrier_worker", "distributed_model",
     "distributed_optimizer", "init", "init_worker", "is_first_worker", "is_worker", "load_persistables",
-    "save_inference_model", "save_persistables", "stop_worker", "worker_endpoints", "worker_index", "worker_num", *PARAMETER_SERVER_CALLS,
+    "save_inference_model", "save_persistables", "stop_worker", "worker_endpoints", "worker_index", "worker_num",
+    *PARAMETER_SERVER_CALLS,
 ]

@@ -11,7 +11,7 @@ from fleetc.comm import env, groups
 from fleetc.comm.faults import collective_failed
 from fleetc.errors import FleetcError
 from fleetc.compiler import CompiledTrainer
-from fleetc.fleet import checkpoint, inference
+from fleetc.fleet import checkpoint, export_sources, inference
 from fleetc.fleet.optimizer import DistributedOptimizer
 from fleetc.fleet.role_maker import PaddleCloudRoleMaker
 from fleetc.fleet.trainer import DataParallelTrainer
@@ -137,14 +137,16 @@ class Fleet:
         if isinstance(main_program, CompiledTrainer):
             trainer, main_program = main_program, None
         trainer = self._trainer(trainer)
-        inference.check_feed_names(trainer.model, inference.names(feeded_var_names, "feeded_var_names"))
-        result = None
-        if self.role is None or self.is_first_worker():
-            result = inference.save_inference_model(trainer, dirname, feeded_var_names, target_vars, main_program,
-                                                    export_for_deployment, dynamic_batch=dynamic_batch)
-        if self.role is not None:
+        export_sources.check_feed_names(trainer.model, export_sources.as_names(feeded_var_names, "feeded_var_names"))
+        if self.role is not None and not self.is_first_worker():
             self.barrier_worker()
-        return result
+            return None
+        try:
+            return inference.save_inference_model(trainer, dirname, feeded_var_names, target_vars, main_program,
+                                                  export_for_deployment, dynamic_batch=dynamic_batch)
+        finally:  # also when the export fails: the others are released now, not at the collective timeout
+            if self.role is not None:
+                self.barrier_worker()
 
     def _parameter_server_only(self, name: str) -> Callable:
         def refuse(*args: Any, **kwargs: Any) -> Any:

@@ -7,9 +7,7 @@ with the trained weights. The directory holds `model.pt2` (float32), under `use_
 """
 from __future__ import annotations
 
-import copy
 import importlib.metadata
-import inspect
 import json
 import os
 import secrets
@@ -21,10 +19,19 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import TreeSpec, tree_flatten
+from torch.utils._pytree import TreeSpec
 
 from fleetc.compiler import CompiledTrainer
 from fleetc.errors import ExportError
+from fleetc.fleet.export_sources import (
+    as_names,
+    check_feed_names,
+    eval_program,
+    eval_trainer,
+    example_inputs_like_training,
+    full_weights,
+    fusion_pass_names,
+)
 from fleetc.ir.liveness import estimate_memory
 from fleetc.ir.program import Program, VarKind
 from fleetc.passes.base import PassReport
@@ -32,7 +39,6 @@ from fleetc.passes.export import LowerToAten, PruneToTargets
 from fleetc.passes.export.prune import WHOLE_OUTPUT, resolve_targets
 from fleetc.passes.instruments import VerifyInstrument
 from fleetc.passes.manager import History, PassManager, PassRecord
-from fleetc.passes.order import ordered_passes, strategy_requests_without_pass
 from fleetc.runtime.export import ExportedModel, export_program
 from fleetc.strategy.names import closest
 
@@ -70,136 +76,6 @@ class InferenceExport:
     def target_names(self) -> list[str]:
         """The fetched names, in output order (what Paddle's save_inference_model returns)."""
         return list(self.artifacts[0].program.fetches)
-
-
-def names(value: str | Sequence[str] | None, what: str) -> list[str]:
-    names = [value] if isinstance(value, str) else list(value or [])
-    bad = [n for n in names if not isinstance(n, str)]
-    if bad or not names:
-        raise ExportError(f"{what} must be a name or a list of names (strings), got {value!r}")
-    return names
-
-
-def check_feed_names(model: nn.Module, feeds: Sequence[str]) -> None:
-    """Every feed names an argument of `model.forward`."""
-    try:
-        params = [p.name for p in inspect.signature(model.forward).parameters.values()
-                  if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    except (TypeError, ValueError):
-        return
-    for name in feeds:
-        if name not in params:
-            hint = closest(name, params)
-            raise ExportError(f"feeded_var_names: {name!r} is not an argument of {type(model).__name__}.forward"
-                              + (f"; did you mean {hint!r}?" if hint else "") + f" (arguments: {', '.join(params)})")
-
-
-def named_inputs(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """`model(*args, **kwargs)`'s arguments by `forward` argument name."""
-    params = [p.name for p in inspect.signature(model.forward).parameters.values()
-              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(args) > len(params):
-        raise ExportError(f"{type(model).__name__}.forward takes {len(params)} named positional arguments, but "
-                          f"{len(args)} example inputs were given; export feeds inputs by argument name")
-    return {**dict(zip(params, args)), **kwargs}
-
-
-def check_writable(dirname: str) -> None:
-    """Fail before exporting when `dirname` cannot be created or replaced."""
-    parent = os.path.dirname(os.path.abspath(dirname)) or "."
-    try:
-        os.makedirs(parent, exist_ok=True)
-    except OSError as exc:
-        raise ExportError(f"cannot write the inference model to {dirname!r}: {exc}") from None
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ExportError(f"cannot write the inference model to {dirname!r}: {parent!r} is not writable")
-    if os.path.exists(dirname) and not os.path.isdir(dirname):
-        raise ExportError(f"cannot write the inference model to {dirname!r}: it exists and is not a directory")
-
-
-def _example_inputs(trainer: CompiledTrainer, feeds: list[str]) -> dict[str, torch.Tensor]:
-    """Zero tensors for `feeds`, shaped like the inputs of the last eval (else training) step."""
-    programs = []
-    for latest in ("eval_program", "program"):
-        try:
-            programs.append(getattr(trainer, latest))
-        except RuntimeError:  # nothing compiled of that kind yet
-            pass
-    if not programs:
-        raise ExportError("nothing compiled yet: train a step (or call the trainer on inputs) before exporting, "
-                          "so fleetc knows the inputs' shapes and dtypes")
-    inputs = {}
-    for name in feeds:
-        var = next((p.var(name) for p in programs if name in p.feeds), None)
-        if var is None:
-            known = list(dict.fromkeys(n for p in programs for n in p.feeds))
-            raise ExportError(f"feeded_var_names: {name!r} was never fed to the model, so its shape is unknown "
-                              f"(inputs seen: {', '.join(known)}); call the trainer with it once")
-        if var.shape is None:
-            raise ExportError(f"feeded_var_names: {name!r} is a Python {var.dtype} value; export takes tensors")
-        inputs[name] = torch.zeros(var.shape, dtype=var.torch_dtype, device=var.device)
-    return inputs
-
-
-def _eval_program(trainer: CompiledTrainer, inputs: Mapping[str, torch.Tensor]) -> tuple[Program, TreeSpec]:
-    """The trainer's eval Program for exactly these inputs (compiled once, then cached), and its output spec."""
-    out = trainer(**inputs)
-    return trainer.eval_program, tree_flatten(out)[1]
-
-
-def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters and buffers by the names the Program uses (the first name of a tied weight)."""
-    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
-
-
-def full_weights(trainer: CompiledTrainer, notes: list[str]) -> dict[str, torch.Tensor]:
-    """The complete trained weights. The hook where sharding stage 3 and pipeline parallelism gather the parts each
-    rank holds: until their passes exist, those flags are not applied and every rank holds the whole model."""
-    config = trainer.config
-    partitioning = {"sharding": config.sharding and config.sharding_configs.stage >= 3, "pipeline": config.pipeline}
-    pending = strategy_requests_without_pass(config)
-    for name, on in partitioning.items():
-        if not on:
-            continue
-        if name not in pending:
-            raise ExportError(f"save_inference_model under {name}: each rank holds part of the weights, and "
-                              "gathering them for export is not implemented yet")
-        notes.append(f"{name} was not applied in training ({pending[name]}), so the weights are complete on "
-                     "every rank")
-    return model_state(trainer.model)
-
-
-def _float32_model(trainer: CompiledTrainer) -> nn.Module:
-    """The trainer's model with float32 weights: itself, or (pure fp16) a copy holding the master weights."""
-    model = trainer.model
-    if all(p.dtype == torch.float32 for p in model.parameters() if p.is_floating_point()):
-        return model
-    state = trainer.optimizer.state if trainer.optimizer is not None else {}
-    masters = {name: state[p]["master_weight"] for name, p in model.named_parameters()
-               if "master_weight" in state.get(p, {})}
-    model = copy.deepcopy(model)
-    for name, param in model.named_parameters():
-        param.data = masters[name].detach().clone() if name in masters else param.data.float()
-    return model
-
-
-def fusion_pass_names(config: Any) -> list[str]:
-    """The fusion passes `config` runs: a fused op's module path is its first op's, so it hides module outputs."""
-    return [p.name for p in ordered_passes(config) if type(p).__module__.startswith("fleetc.passes.fusion.")]
-
-
-def _eval_trainer(trainer: CompiledTrainer, state: dict[str, torch.Tensor], *, float32: bool,
-                  unfused: bool) -> tuple[CompiledTrainer, dict[str, torch.Tensor]]:
-    """The trainer whose eval Program is exported, and its weights: `trainer` itself, or one compiling the same
-    model without AMP (`float32`, on float32 weights) or without the fusion passes (`unfused`)."""
-    without_amp = float32 and trainer.config.amp
-    if not without_amp and not unfused:
-        return trainer, state
-    config = trainer.config.replace({"amp": False}) if without_amp else trainer.config
-    model = _float32_model(trainer) if without_amp else trainer.model
-    disabled = [*trainer.disable_passes, *(fusion_pass_names(config) if unfused else [])]
-    exporter = CompiledTrainer(model, config, verify=trainer.verify, disable_passes=disabled)
-    return exporter, (model_state(model) if model is not trainer.model else state)
 
 
 def _training_dtype(program: Program) -> str | None:
@@ -263,6 +139,23 @@ def _meta(trainer: CompiledTrainer, artifacts: list[Artifact], prune: bool, note
     }
 
 
+def check_writable(dirname: str) -> None:
+    """Fail before exporting when `dirname` cannot be created or replaced."""
+    parent = os.path.dirname(os.path.abspath(dirname)) or "."
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as exc:
+        raise ExportError(f"cannot write the inference model to {dirname!r}: {exc}") from None
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ExportError(f"cannot write the inference model to {dirname!r}: {parent!r} is not writable")
+    if os.path.exists(dirname) and not os.path.isdir(dirname):
+        raise ExportError(f"cannot write the inference model to {dirname!r}: it exists and is not a directory")
+    if os.path.isdir(dirname) and os.listdir(dirname) and not os.path.isfile(os.path.join(dirname, META_FILE)):
+        # the write replaces the whole directory: never one holding someone else's files
+        raise ExportError(f"will not replace {dirname!r}: it holds files and is not a fleetc inference model "
+                          "(no meta.json); choose a new or empty directory")
+
+
 def write_directory(dirname: str, writers: Mapping[str, Callable[[str], None]]) -> None:
     """Write every file into a temporary directory beside `dirname`, then rename it into place, so readers see the
     old directory or the complete new one. (The checkpoints' write-then-rename; it moves to the shared crash-safe
@@ -297,12 +190,12 @@ def _trained_artifacts(trainer: CompiledTrainer, state: dict[str, torch.Tensor],
     # A fused op carries its first op's module path, so it would hide a module's own output (a Linear's, before
     # the activation fused into it): with a module target the exported Program is compiled without fusion.
     unfused = any(target in dict(trainer.model.named_modules()) for target in targets if target)
-    exporter, exporter_state = _eval_trainer(trainer, state, float32=True, unfused=unfused)
-    program, spec = _eval_program(exporter, example)
+    exporter, exporter_state = eval_trainer(trainer, state, float32=True, unfused=unfused)
+    program, spec = eval_program(exporter, example)
     artifacts = [_export_artifact(program, exporter_state, spec, dtype=FLOAT32, **options)]
     if trainer.config.amp and trainer.config.amp_configs.use_pure_fp16:
-        exporter, exporter_state = _eval_trainer(trainer, state, float32=False, unfused=unfused)
-        program, spec = _eval_program(exporter, example)
+        exporter, exporter_state = eval_trainer(trainer, state, float32=False, unfused=unfused)
+        program, spec = eval_program(exporter, example)
         dtype = _training_dtype(program) or FLOAT32
         artifacts.append(_export_artifact(program, exporter_state, spec, dtype=dtype, **options))
     return artifacts, fusion_pass_names(trainer.config) if unfused else []
@@ -314,8 +207,8 @@ def save_inference_model(trainer: CompiledTrainer, dirname: str, feeded_var_name
                          dynamic_batch: bool = True) -> InferenceExport:
     """Export `trainer`'s model for inference into `dirname` (one process; `fleet.save_inference_model` picks the
     rank). `inputs` gives example inputs by name (default: zeros shaped like the last step's)."""
-    feeds = names(feeded_var_names, "feeded_var_names")
-    targets = names(target_vars if target_vars is not None else WHOLE_OUTPUT, "target_vars")
+    feeds = as_names(feeded_var_names, "feeded_var_names")
+    targets = as_names(target_vars if target_vars is not None else WHOLE_OUTPUT, "target_vars")
     check_feed_names(trainer.model, feeds)
     check_writable(dirname)
     notes: list[str] = []
@@ -328,7 +221,7 @@ def save_inference_model(trainer: CompiledTrainer, dirname: str, feeded_var_name
                               f"{main_program.metadata.get('kind', 'unknown')} Program")
         artifacts, skipped = [_export_artifact(main_program, state, None, dtype=FLOAT32, **options)], []
     else:
-        example = dict(inputs) if inputs is not None else _example_inputs(trainer, feeds)
+        example = dict(inputs) if inputs is not None else example_inputs_like_training(trainer, feeds)
         artifacts, skipped = _trained_artifacts(trainer, state, example, targets, options)
     meta = _meta(trainer, artifacts, export_for_deployment, notes, skipped)
     for note in meta["notes"]:

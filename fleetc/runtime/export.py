@@ -78,10 +78,10 @@ def _module_class(feeds: list[str]) -> type[ProgramModule]:
     return type("ExportedProgramModule", (ProgramModule,), {"forward": namespace["forward"]})
 
 
-def example_inputs(program: Program) -> dict[str, torch.Tensor]:
-    """Zeros shaped like each feed (values never matter to tracing; zeros are valid token ids)."""
+def example_inputs(program: Program, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """Zeros shaped like each feed (or those named): values never matter to tracing, and zeros are valid token ids."""
     inputs = {}
-    for name in program.feeds:
+    for name in program.feeds if names is None else names:
         var = program.var(name)
         if var.shape is None:
             raise ExportError(f"input {name!r} is a Python {var.dtype} value, not a tensor; export takes tensors")

@@ -15,7 +15,7 @@ from zoo import ZOO
 
 import fleetc
 import fleetc.fleet as fleet
-from fleetc.fleet import inference
+from fleetc.fleet import export_sources, inference
 from fleetc.fleet.inference import META_FILE, MODEL_FILE
 
 # The models every export check runs on. The real-architecture zoo (tests/models/, Hugging Face configs) joins this
@@ -32,7 +32,7 @@ def exported_zoo(tmp_path_factory):
     work = tmp_path_factory.mktemp("exported_zoo")
     cases, runs = {}, []
     for name, entry in EXPORT_ZOO.items():
-        trainer, args, _ = trained(entry, fusion_strategy())
+        trainer, args, _ = trained(entry, fusion_strategy(), steps=1)
         with warnings.catch_warnings():  # gpt's static batch: its note is checked below
             warnings.simplefilter("ignore")
             result = fleet.save_inference_model(None, str(work / name), FEEDS.get(name, ["x"]), ["output"],
@@ -160,6 +160,11 @@ def test_unwritable_directory_fails_before_exporting(tmp_path):
         inference.save_inference_model(trainer, str(tmp_path / "file" / "m"), "x", "output")
     with pytest.raises(fleetc.ExportError, match="it exists and is not a directory"):
         inference.save_inference_model(trainer, str(tmp_path / "file"), "x", "output")
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "notes.txt").write_text("the user's own")
+    with pytest.raises(fleetc.ExportError, match="will not replace .*work.*: it holds files and is not a fleetc"):
+        inference.save_inference_model(trainer, str(tmp_path / "work"), "x", "output")
+    assert (tmp_path / "work" / "notes.txt").read_text() == "the user's own"
 
 
 class EarlyExit(nn.Module):
@@ -195,7 +200,7 @@ def test_sharding_stage3_and_pipeline_hook(tmp_path, monkeypatch):
     with pytest.warns(UserWarning, match="sharding was not applied in training"):
         result = inference.save_inference_model(trainer, str(tmp_path / "m"), "x", "output")
     assert any(note.startswith("sharding was not applied") for note in result.meta["notes"])
-    monkeypatch.setattr(inference, "strategy_requests_without_pass", lambda config: {})
+    monkeypatch.setattr(export_sources, "strategy_requests_without_pass", lambda config: {})
     with pytest.raises(fleetc.ExportError, match="under sharding: each rank holds part of the weights"):
         inference.save_inference_model(trainer, str(tmp_path / "m2"), "x", "output")
 

@@ -7,7 +7,7 @@ from helpers.export import trained
 from zoo import ZOO
 
 import fleetc
-from fleetc.fleet.inference import model_state
+from fleetc.fleet.export_sources import model_state
 from fleetc.runtime.export import export_program
 
 

@@ -9,7 +9,7 @@ from zoo import ZOO
 
 import fleetc
 from fleetc.errors import PassError
-from fleetc.fleet.inference import model_state
+from fleetc.fleet.export_sources import model_state
 from fleetc.ir.verifier import verify
 from fleetc.passes.export import LowerToAten
 from fleetc.runtime.executor import Executable
