@@ -18,45 +18,49 @@ import fleetc.fleet as fleet
 from fleetc.fleet import export_sources, inference
 from fleetc.fleet.inference import META_FILE, MODEL_FILE
 
-# The models every export check runs on. The real-architecture zoo (tests/models/, Hugging Face configs) joins this
-# list when it lands: an entry needs only make_model, make_batch and loss_fn.
+# The models every export check runs on: an entry needs only make_model, make_batch and loss_fn, and the inputs are
+# fed by forward argument name. The real-architecture zoo (tests/models/, Hugging Face configs) joins this dict when
+# it lands.
 EXPORT_ZOO = dict(ZOO)
-FEEDS = {"gpt": ["idx"]}
-DYNAMIC_BATCH = {"mlp", "cnn", "unused_param", "loss_dict"}  # gpt's eval Program fixes its batch size (views)
+STATIC_BATCH = {"gpt"}  # zoo models whose eval Program fixes the batch size (a view to [b, t, heads, d])
 
 
 @pytest.fixture(scope="module")
 def exported_zoo(tmp_path_factory):
-    """Every zoo model trained with every fusion on, exported, then loaded and run in one process without fleetc;
-    the batch size differs from the one exported where the batch is dynamic."""
+    """Every model trained a step with every fusion on, exported, then loaded and run in one process without fleetc;
+    the batch is 3 rows larger than the exported example where the batch is dynamic."""
     work = tmp_path_factory.mktemp("exported_zoo")
     cases, runs = {}, []
     for name, entry in EXPORT_ZOO.items():
-        trainer, args, _ = trained(entry, fusion_strategy(), steps=1)
-        with warnings.catch_warnings():  # gpt's static batch: its note is checked below
+        trainer, args, kwargs = trained(entry, fusion_strategy(), steps=1)
+        inputs = export_sources.named_inputs(trainer.model, args, kwargs)
+        with warnings.catch_warnings():  # a static batch's note is checked below
             warnings.simplefilter("ignore")
-            result = fleet.save_inference_model(None, str(work / name), FEEDS.get(name, ["x"]), ["output"],
+            result = fleet.save_inference_model(None, str(work / name), list(inputs), ["output"],
                                                 main_program=trainer)
-        if name in DYNAMIC_BATCH:
-            args = tuple(torch.cat([a, a[:3]]) for a in args)  # 3 more rows than the exported example
-        cases[name] = (result, args, eager_eval(trainer.model, *args))
-        runs.append((work / name / MODEL_FILE, args))
+        if result.meta["inputs"][0]["dynamic_dims"]:
+            inputs = {k: torch.cat([v, v[:3]]) for k, v in inputs.items()}
+        cases[name] = (result, tuple(inputs.values()), eager_eval(trainer.model, **inputs))
+        runs.append((work / name / MODEL_FILE, tuple(inputs.values())))
     outputs = run_without_fleetc(runs, work)
     return {name: (*case, out) for (name, case), out in zip(cases.items(), outputs)}
 
 
 @pytest.mark.parametrize("name", list(EXPORT_ZOO))
 def test_exported_model_matches_eager_eval_in_a_process_without_fleetc(exported_zoo, name):
-    result, args, want, got = exported_zoo[name]
+    result, _, want, got = exported_zoo[name]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     exported = result.artifacts[0].model.exported
     assert all(t.startswith("aten.") or t == "<built-in function getitem>" for t in op_types(exported))
     assert result.artifacts[0].history.names() == ["eval", "lower_to_aten", "prune_to_targets"]
     meta = json.loads(pathlib.Path(result.dirname, META_FILE).read_text())
     assert meta == result.meta and meta["files"] == {"float32": MODEL_FILE}
-    assert meta["inputs"][0]["name"] == FEEDS.get(name, ["x"])[0]
-    assert (meta["inputs"][0]["dynamic_dims"] == {"0": "batch"}) == (name in DYNAMIC_BATCH)
     assert meta["fleetc_version"] == fleetc.__version__ and meta["strategy"]["build_strategy"]["fuse_gemm_epilogue"]
+    dynamic = meta["inputs"][0]["dynamic_dims"] == {"0": "batch"}
+    static_note = any("batch dimension is exported static" in note for note in meta["notes"])
+    assert dynamic != static_note  # dynamic, or a note says why not
+    if name in ZOO:
+        assert dynamic == (name not in STATIC_BATCH)
 
 
 def test_fused_ops_are_lowered_and_a_static_batch_is_reported(exported_zoo):

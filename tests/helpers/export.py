@@ -52,13 +52,13 @@ def trained(entry: Any, strategy: Any = None, steps: int = 2) -> tuple[fleetc.Co
     return trainer, args, {k: v for k, v in kwargs.items() if k != "labels"}
 
 
-def eager_eval(model: torch.nn.Module, *args: Any) -> Any:
-    """`model.eval()(*args)` without gradients, leaving the model's mode as it was."""
+def eager_eval(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """`model.eval()(*args, **kwargs)` without gradients, leaving the model's mode as it was."""
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            return model(*args)
+            return model(*args, **kwargs)
     finally:
         model.train(was_training)
 
