@@ -9,6 +9,7 @@ from fleetc.errors import (
     CaptureError,
     CheckpointError,
     CollectiveError,
+    ExportError,
     FleetcError,
     PassError,
     ProgramParseError,
@@ -16,6 +17,7 @@ from fleetc.errors import (
     UnsupportedOptimizerError,
     VerificationError,
 )
+from fleetc.fleet.inference import load_inference_model
 from fleetc.ir.program import Block, Op, OpRole, Program, Var, VarKind
 from fleetc.report import CompileReport
 from fleetc.strategy import (
@@ -29,8 +31,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Block", "BuildStrategy", "CaptureError", "CheckpointError", "CollectiveError", "CompileReport",
-    "CompiledTrainer", "DistributedStrategy",
-    "ExecutionStrategy", "FleetcError", "Op", "OpRole", "PassError", "Program", "ProgramParseError", "Strategy",
-    "StrategyError",
-    "UnsupportedOptimizerError", "Var", "VarKind", "VerificationError", "compile", "device_guard",
+    "CompiledTrainer", "DistributedStrategy", "ExecutionStrategy", "ExportError", "FleetcError", "Op", "OpRole",
+    "PassError", "Program", "ProgramParseError", "Strategy", "StrategyError", "UnsupportedOptimizerError", "Var",
+    "VarKind", "VerificationError", "compile", "device_guard", "load_inference_model",
 ]

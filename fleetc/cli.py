@@ -1,4 +1,5 @@
-"""The `fleetc` command line: `fleetc dump-ir` prints a model's Program after any compiler pass."""
+"""The `fleetc` command line: `dump-ir` prints a model's Program after any compiler pass, `export` saves it for
+inference, `run` launches data-parallel training."""
 from __future__ import annotations
 
 import argparse
@@ -6,6 +7,7 @@ import importlib
 import json
 import os
 import sys
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +18,8 @@ from torch import nn
 import fleetc
 from fleetc.codegen.cpu import format_kernels as format_cpu_kernels
 from fleetc.codegen.triton import format_kernels
-from fleetc.errors import CommandError, FleetcError
+from fleetc.errors import CommandError, ExportError, FleetcError
+from fleetc.fleet import export_sources, inference
 from fleetc.fleet.launch import add_run_command
 from fleetc.ir.liveness import MemoryEstimate
 from fleetc.ir.serialize import program_to_json, to_dict
@@ -213,6 +216,50 @@ def dump_ir(options: argparse.Namespace) -> int:
     return 0
 
 
+_EXPORT_DESCRIPTION = """\
+Export a model for inference, as fleet.save_inference_model does: DIR gets model.pt2 (a
+torch.export ExportedProgram of the eval Program, fleetc's ops lowered to aten, pruned to the
+targets, float32; with use_pure_fp16 also model.<dtype>.pt2) and meta.json. Load it with
+torch.export.load(DIR/model.pt2).module() in any PyTorch process, or fleetc.load_inference_model(DIR).
+
+FACTORY is `package.module:function`, as for dump-ir (model, args, kwargs, loss_fn, optimizer,
+strategy). Nothing is trained: the factory's weights are exported. The example inputs are `args`
+(without the last one, the target, when `loss_fn` is given) and `kwargs`, by forward argument name.
+Bad input (factory, names, directory) prints one line and exits with status 2.
+"""
+
+
+def export(options: argparse.Namespace) -> int:
+    """Export the factory's model (its current weights) into options.out; prints the files written."""
+    spec = _step_spec(_import_factory(options.factory)(), options.factory)
+    strategy = _load_strategy(options.strategy) if options.strategy else spec.strategy
+    args = spec.args[:-1] if spec.loss_fn is not None else spec.args
+    try:
+        inputs = export_sources.named_inputs(spec.model, args, spec.kwargs)
+        feeds = options.feed or list(inputs)
+        unknown = [name for name in feeds if name not in inputs]
+        if unknown:
+            export_sources.check_feed_names(spec.model, unknown)
+            raise CommandError(f"--feed {unknown[0]!r}: the factory gives no example input of that name "
+                               f"(inputs: {', '.join(inputs)})")
+        inference.check_writable(options.out)
+        trainer = fleetc.compile(spec.model, strategy, optimizer=spec.optimizer, loss_fn=spec.loss_fn,
+                                 verify=options.verify)
+        with warnings.catch_warnings():  # the notes are printed below, as the command's own lines
+            warnings.simplefilter("ignore")
+            result = inference.save_inference_model(trainer, options.out, feeds, options.target or None,
+                                                    export_for_deployment=not options.no_prune,
+                                                    inputs={name: inputs[name] for name in feeds},
+                                                    dynamic_batch=not options.static_batch)
+    except ExportError as exc:
+        raise CommandError(str(exc)) from None
+    for note in result.meta["notes"]:
+        print(f"fleetc export: note: {note}", file=sys.stderr)
+    for name in [*result.meta["files"].values(), inference.META_FILE]:
+        sys.stdout.write(os.path.join(options.out, name) + "\n")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `fleetc` parser; each subcommand stores its handler in `handler`."""
     parser = argparse.ArgumentParser(prog="fleetc", description="fleetc: a graph compiler for PyTorch training.",
@@ -248,6 +295,24 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--kernels", action="store_true",
                       help="after the Program, print the Triton (CUDA) and C++ (CPU) source generated for each fused op "
                            "(text format)")
+    exporter = commands.add_parser("export", help="export a model for inference (torch.export .pt2 + meta.json)",
+                                   description=_EXPORT_DESCRIPTION,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    exporter.set_defaults(handler=export)
+    exporter.add_argument("factory", metavar="FACTORY", help="package.module:function returning the model and inputs")
+    exporter.add_argument("--out", metavar="DIR", required=True,
+                          help="the directory to write (replaced atomically if it exists)")
+    exporter.add_argument("--strategy", metavar="FILE",
+                          help="a DistributedStrategy as .json or .prototxt; overrides the factory's strategy")
+    exporter.add_argument("--feed", metavar="NAME", action="append", default=[],
+                          help="a forward argument the exported model takes (repeatable; default: every example input)")
+    exporter.add_argument("--target", metavar="NAME", action="append", default=[],
+                          help="what the exported model returns: 'output' (default), 'output.<i>', a module path or "
+                               "a value of the eval Program (repeatable)")
+    exporter.add_argument("--no-prune", action="store_true",
+                          help="keep every op of the eval Program (export_for_deployment=False)")
+    exporter.add_argument("--static-batch", action="store_true", help="export the batch dimension static")
+    exporter.add_argument("--verify", action="store_true", help="run the IR verifier after every compiler pass")
     add_run_command(commands)
     return parser
 

@@ -43,3 +43,8 @@ class CommandError(FleetcError):
 
 class ProgramParseError(FleetcError, ValueError):
     """Program text (`Program.parse`, a pass fixture) is malformed; names the line and what was expected there."""
+
+
+class ExportError(FleetcError):
+    """A model could not be exported for inference: an unknown input or target name, an unwritable directory, an
+    unsupported construct; names the problem and where."""

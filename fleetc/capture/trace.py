@@ -66,8 +66,8 @@ def _user_location(exc: BaseException) -> str:
     return f"{frame.filename}:{frame.lineno}{code}"
 
 
-def capture_error(exc: BaseException) -> CaptureError:
-    """A CaptureError naming the construct, the user's file:line and a hint."""
+def capture_error(exc: BaseException, step: str) -> CaptureError:
+    """A CaptureError naming the step, the construct, the user's file:line and a hint."""
     text = f"{type(exc).__name__}: {exc}"
     construct, hint = f"an unsupported construct ({type(exc).__name__})", "see the chained error below"
     for needles, what, how in _HINTS:
@@ -76,7 +76,7 @@ def capture_error(exc: BaseException) -> CaptureError:
             break
     first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return CaptureError(
-        f"cannot capture the training step: {construct} at {_user_location(exc)}\n"
+        f"cannot capture the {step}: {construct} at {_user_location(exc)}\n"
         f"  torch said: {first_line[:300]}\n  hint: {hint}"
     )
 
@@ -100,4 +100,4 @@ def trace_step(module: nn.Module, args: tuple, kwargs: dict[str, Any], *,
     except CaptureError:
         raise
     except Exception as exc:  # torch raises many unrelated types here; all mean "could not capture"
-        raise capture_error(exc) from exc
+        raise capture_error(exc, "training step" if train else "forward pass (eval mode)") from exc

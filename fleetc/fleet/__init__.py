@@ -26,11 +26,13 @@ distributed_optimizer = _fleet.distributed_optimizer
 distributed_model = _fleet.distributed_model
 save_persistables = _fleet.save_persistables
 load_persistables = _fleet.load_persistables
+save_inference_model = _fleet.save_inference_model
 globals().update({name: _fleet._parameter_server_only(name) for name in PARAMETER_SERVER_CALLS})
 
 __all__ = [
     "BuildStrategy", "DistributedOptimizer", "DistributedStrategy", "ExecutionStrategy", "Fleet",
     "PaddleCloudRoleMaker", "Strategy", "UserDefinedRoleMaker", "barrier_worker", "distributed_model",
     "distributed_optimizer", "init", "init_worker", "is_first_worker", "is_worker", "load_persistables",
-    "save_persistables", "stop_worker", "worker_endpoints", "worker_index", "worker_num", *PARAMETER_SERVER_CALLS,
+    "save_inference_model", "save_persistables", "stop_worker", "worker_endpoints", "worker_index", "worker_num",
+    *PARAMETER_SERVER_CALLS,
 ]

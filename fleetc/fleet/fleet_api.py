@@ -10,7 +10,8 @@ from torch import nn
 from fleetc.comm import env, groups
 from fleetc.comm.faults import collective_failed
 from fleetc.errors import FleetcError
-from fleetc.fleet import checkpoint
+from fleetc.compiler import CompiledTrainer
+from fleetc.fleet import checkpoint, export_sources, inference
 from fleetc.fleet.optimizer import DistributedOptimizer
 from fleetc.fleet.role_maker import PaddleCloudRoleMaker
 from fleetc.fleet.trainer import DataParallelTrainer
@@ -121,6 +122,31 @@ class Fleet:
     def load_persistables(self, dirname: str, trainer: Any = None) -> None:
         """Every rank restores what `save_persistables` wrote."""
         checkpoint.load(self._trainer(trainer), dirname)
+
+    def save_inference_model(self, executor: Any, dirname: str, feeded_var_names: str | list[str],
+                             target_vars: str | list[str] | None, main_program: Any = None,
+                             export_for_deployment: bool = True, *, trainer: Any = None,
+                             dynamic_batch: bool = True) -> inference.InferenceExport | None:
+        """Paddle's call: export the trained model for inference into `dirname` (see docs/export.md).
+
+        `executor` is accepted and ignored. `feeded_var_names` are `forward` argument names; `target_vars` are
+        `output`, `output.<i>`, module paths or eval-Program value names. `main_program`: an eval Program, or a
+        trainer (default: the trainer's own eval Program). `export_for_deployment` prunes what the targets do
+        not need. Rank 0 writes while the others wait at a barrier; returns the export on the rank that wrote.
+        """
+        if isinstance(main_program, CompiledTrainer):
+            trainer, main_program = main_program, None
+        trainer = self._trainer(trainer)
+        export_sources.check_feed_names(trainer.model, export_sources.as_names(feeded_var_names, "feeded_var_names"))
+        if self.role is not None and not self.is_first_worker():
+            self.barrier_worker()
+            return None
+        try:
+            return inference.save_inference_model(trainer, dirname, feeded_var_names, target_vars, main_program,
+                                                  export_for_deployment, dynamic_batch=dynamic_batch)
+        finally:  # also when the export fails: the others are released now, not at the collective timeout
+            if self.role is not None:
+                self.barrier_worker()
 
     def _parameter_server_only(self, name: str) -> Callable:
         def refuse(*args: Any, **kwargs: Any) -> Any:

@@ -121,6 +121,24 @@ def faults(rank: int, args: dict, out_dir: str) -> None:
     os._exit(0)  # the process group is broken; skip its teardown
 
 
+def export_inference(rank: int, args: dict, out_dir: str) -> None:
+    """Data-parallel training, then fleet.save_inference_model: rank 0 writes, every rank returns after a barrier."""
+    fleet.init(is_collective=True)
+    entry = ZOO["mlp"]
+    torch.manual_seed(0)
+    model = entry.make_model()
+    fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    trainer = fleet.distributed_model(model, loss_fn=entry.loss_fn)
+    x, y = shard(global_batches("mlp", 1)[0], rank, fleet.worker_num())
+    trainer.step(x, y)
+    result = fleet.save_inference_model(None, args["dirname"], ["x"], ["output"])
+    model.eval()
+    outcome = {"wrote": result is not None, "files_after_barrier": sorted(os.listdir(args["dirname"])),
+               "x": x, "eager": model(x).detach()}
+    torch.save(outcome, os.path.join(out_dir, f"rank{rank}.pt"))
+    fleet.stop_worker()
+
+
 if __name__ == "__main__":
     name, args, out_dir = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
     globals()[name](int(os.environ["RANK"]), args, out_dir)
