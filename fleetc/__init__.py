@@ -10,6 +10,7 @@ from fleetc.errors import (
     CheckpointError,
     CollectiveError,
     FleetcError,
+    GuardError,
     PassError,
     StrategyError,
     UnsupportedOptimizerError,
@@ -29,6 +30,6 @@ __version__ = "0.1.0"
 __all__ = [
     "Block", "BuildStrategy", "CaptureError", "CheckpointError", "CollectiveError", "CompileReport",
     "CompiledTrainer", "DistributedStrategy",
-    "ExecutionStrategy", "FleetcError", "Op", "OpRole", "PassError", "Program", "Strategy", "StrategyError",
+    "ExecutionStrategy", "FleetcError", "GuardError", "Op", "OpRole", "PassError", "Program", "Strategy", "StrategyError",
     "UnsupportedOptimizerError", "Var", "VarKind", "VerificationError", "compile", "device_guard",
 ]

@@ -82,7 +82,7 @@ def test_distributed_model_in_one_process_trains_like_eager(single_fleet, tmp_pa
     for name, value in model.state_dict().items():
         assert torch.equal(value, saved[name]), name
     assert float(opt.state_dict()["state"][0]["step"]) == 2.0
-    with pytest.raises(FileNotFoundError, match="not a fleetc checkpoint"):
+    with pytest.raises(fleetc.CheckpointError, match="not a fleetc checkpoint"):
         fleet.load_persistables(str(tmp_path))
 
 
