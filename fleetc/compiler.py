@@ -18,7 +18,7 @@ from fleetc.capture import (
 )
 from fleetc.capture.hooks import optimizer_step_hooks, run_step_hooks
 from fleetc.capture.to_program import INPUT_GRAD_FETCH
-from fleetc.errors import PassError
+from fleetc.errors import CaptureError, PassError
 from fleetc.ir.liveness import estimate_memory
 from fleetc.ir.program import Program
 from fleetc.ir.verifier import verify
@@ -74,6 +74,7 @@ class CompiledStep:
     tensor_positions: list[int]  # which leaves of (args, kwargs) are fed; the others are baked in
     out_spec: TreeSpec | None = None
     momentum_probes: tuple = ()  # per param group: (feeds "fresh"?, a param whose missing buffer means fresh)
+    post_hooked: list = ()  # without an optimizer: (name, param) of params with post-accumulate-grad hooks
 
 
 class CompiledTrainer:
@@ -153,9 +154,11 @@ class CompiledTrainer:
         report.recompiles = self._cache.log
         report.compile_seconds = time.perf_counter() - start
         leaves = tree_flatten((args, kwargs))[0]
+        post_hooked = [(n, p) for n, p in self.model.named_parameters()
+                       if self.optimizer is None and kind == "train" and getattr(p, "_post_accumulate_grad_hooks", None)]
         return CompiledStep(final, history, executable, binding, report, GuardCheck(record, self.model, self.optimizer),
                             [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)], out_spec,
-                            self._momentum_probes(final))
+                            self._momentum_probes(final), post_hooked)
 
     def _lookup(self, kind: str, args: tuple, kwargs: dict) -> tuple[CompiledStep, list]:
         leaves, spec = tree_flatten((args, kwargs))
@@ -205,6 +208,12 @@ class CompiledTrainer:
         compiled, leaves = self._lookup("train", args, kwargs)
         self._last_train = compiled
         tensors = [leaves[i] for i in compiled.tensor_positions]
+        for name, param in compiled.post_hooked:
+            if param.grad is not None:
+                raise CaptureError(
+                    f"{name} has post-accumulate-grad hooks and its .grad already holds a gradient: eager would run "
+                    "them on the sum, fleetc runs them on each step's gradient. Clear gradients between steps "
+                    "(model.zero_grad(set_to_none=True)) or use param.register_hook")
         pre_hooks, post_hooks = optimizer_step_hooks(self.optimizer)
         hooked = bool(pre_hooks or post_hooks) and self._updates_this_step(compiled)
         if hooked:

@@ -1,7 +1,7 @@
 """Records which plain Python attributes of the model's modules the traced step read, and their values.
 
-A Program bakes such values in (`self.temperature`, a Dropout's `p`), so the step must be recompiled when
-one changes. During capture every submodule's class is swapped for a subclass whose `__getattribute__`
+A Program bakes such values in (`self.temperature`, a Dropout's `p` and `training` flag), so the step must be
+recompiled when one changes. During capture every submodule's class is swapped for a subclass whose `__getattribute__`
 notes each read of a plain value (None, bool, int, float, str, or tuples and lists of them) from the
 instance's `__dict__`. A module whose class cannot be swapped has all its plain attributes recorded instead.
 """
@@ -14,8 +14,9 @@ from typing import Any, Iterator
 from torch import nn
 
 PLAIN_SCALARS = (type(None), bool, int, float, str)
-# nn.Module's own bookkeeping (`training` is guarded on its own, the hook and parameter dicts are not plain).
-_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+# nn.Module's own bookkeeping (the hook and parameter dicts are not plain), except `training`: a module whose
+# forward reads its training flag depends on it, the others (a Linear) do not.
+_MODULE_INTERNALS = frozenset(vars(nn.Module())) - {"training"}
 _recording_classes: dict[type, type] = {}
 _active_reads: dict[tuple[int, str], Any] = {}  # filled while a recording is active
 

@@ -92,7 +92,7 @@ def _apply_gradient_hooks(param: torch.Tensor, grad: torch.Tensor, hooks: list[C
     return grad
 
 
-def _trace_hooks(param: torch.Tensor, hooks: list[Callable], post_hooks: list[Callable]) -> torch.fx.GraphModule:
+def _trace_hooks(name: str, param: torch.Tensor, hooks: list[Callable], post_hooks: list[Callable]) -> torch.fx.GraphModule:
     # Imported here: make_fx pulls in torch._dynamo (seconds), which `import fleetc` need not pay.
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -104,7 +104,9 @@ def _trace_hooks(param: torch.Tensor, hooks: list[Callable], post_hooks: list[Ca
             gm = make_fx(torch.func.functionalize(apply, remove="mutations_and_views"),
                          tracing_mode="fake")(example, torch.empty_like(example))
     except Exception as exc:  # torch raises many types while tracing; all mean "this hook cannot be traced"
-        raise capture_error(exc) from exc
+        names = ", ".join(hook_name(h) for h in hooks + post_hooks)
+        raise CaptureError(f"cannot trace the gradient hooks of {name!r} ({names}): {capture_error(exc)}. A hook "
+                           "may only compute with its arguments (one reading other tensors cannot be traced)") from exc
     # An in-place hook (`grad.mul_(2)`) leaves a copy_ back into its input: the returned value already holds it.
     for node in list(gm.graph.nodes):
         if node.target is torch.ops.aten.copy_.default and node.args[0].op == "placeholder":
@@ -123,7 +125,7 @@ def trace_gradient_hooks(program: Program, model: nn.Module) -> None:
         fetch = f"grad:{name}"
         if not (hooks or post_hooks) or fetch not in program.fetches:
             continue  # no gradient reaches the parameter: eager runs none of its hooks either
-        gm = _trace_hooks(param, hooks, post_hooks)
+        gm = _trace_hooks(name, param, hooks, post_hooks)
         raw = f"{grad_name(name)}@BEFORE_HOOKS"
         rename_temporary(program, program.fetches[fetch], raw)
         attrs = {"op_role": int(OpRole.BACKWARD), "module_path": name.rpartition(".")[0], "provenance": "hooks"}

@@ -24,14 +24,16 @@ Key = tuple[tuple[str, Any], ...]  # (what, value) parts, e.g. ("inputs", input_
 
 
 def _input_change(old: GuardRecord, new: GuardRecord) -> str | None:
-    """The first argument whose guard differs between two records, in words."""
+    """The arguments whose guards differ between two records, in words (the first three)."""
     before = {(g.kind, g.target): g.expected for g in old.guards if g.kind in ("input", "constant_arg")}
     after = {(g.kind, g.target): g.expected for g in new.guards if g.kind in ("input", "constant_arg")}
-    for where in sorted(set(before) | set(after)):
+    changes = []
+    for where in sorted(set(before) | set(after), key=lambda w: w[1]):
         if before.get(where) != after.get(where):
-            return f"argument {where[1]} changed: {before.get(where, 'absent')!r} when compiled, now " \
-                   f"{after.get(where, 'absent')!r}"
-    return None
+            was = repr(before[where]) if where in before else "not given"
+            now = repr(after[where]) if where in after else "not given"
+            changes.append(f"argument {where[1]} changed: {was} when compiled, now {now}")
+    return "; ".join(changes[:3]) + ("; …" if len(changes) > 3 else "") if changes else None
 
 
 class StepCache:

@@ -111,7 +111,7 @@ def test_resume_mid_accumulation_matches_an_uninterrupted_run(optimizer_name):
 
     def resumed(load_fleetc_state: bool) -> torch.nn.Module:
         buffer.seek(0)
-        checkpoint = torch.load(buffer)
+        checkpoint = torch.load(buffer, weights_only=True)
         torch.manual_seed(123)  # different initial weights: everything must come from the checkpoint
         fresh = ZOO["mlp"].make_model()
         fresh.load_state_dict(checkpoint["model"])

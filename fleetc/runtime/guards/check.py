@@ -1,15 +1,18 @@
 """The per-step guard check: a record bound to the live model and optimizer, checked cheaply before every step.
 
-The cheap check compares flat lists built by C-level `map` calls (training flags, requires_grad flags, attribute
-values and types, tensor identities and dtypes, param-group membership) and, for hooks, torch's global hook-handle
-counter: no hook was registered anywhere since the compile when `RemovableHandle.next_id` is unchanged (removal
-shows in the sizes of the dicts that held hooks). Only when that check fails does `failure()` compare deeply and
-name what changed; hooks registered elsewhere (another model) pass and re-arm the counter.
+The cheap check is generated code, one straight-line expression of dict subscripts and `is` comparisons against
+the objects bound when it was armed (training flags, plain attribute values, the modules and tensors under each
+name, requires_grad flags, param-group members), as torch.compile's guards are; for hooks it compares torch's
+global hook-handle counter (`RemovableHandle.next_id` moves on every registration anywhere) and the sizes of the
+dicts that held hooks (removal). Only when it fails does `failure()` compare values deeply and name what
+changed; when nothing the Program depends on changed (an equal value in a new object, a hook on another model),
+the check is re-armed on the current objects and passes.
 """
 from __future__ import annotations
 
+import copy
 from itertools import chain
-from operator import attrgetter, is_, itemgetter
+from operator import is_, itemgetter
 
 import torch
 from torch import nn
@@ -18,9 +21,6 @@ from torch.utils.hooks import RemovableHandle
 from fleetc.capture.hooks import hook_dicts, registered_hooks
 from fleetc.runtime.guards.record import GuardRecord
 
-_TRAINING = attrgetter("training")
-_REQUIRES_GRAD = attrgetter("requires_grad")
-_DTYPE = attrgetter("dtype")
 _PARAMS = itemgetter("params")
 
 
@@ -58,48 +58,66 @@ class GuardCheck:
         self._tensor_dicts = [m._parameters if name in m._parameters else m._buffers for m, name in tensor_owners]
         self._tensor_names = [name for _, name in tensor_owners]
         self._tensors = list(map(dict.get, self._tensor_dicts, self._tensor_names))
-        self._dtypes = [getattr(torch, g.expected) for g in tensors]
         flags = record.of_kind("requires_grad")
         self._params = [model.get_parameter(g.target) for g in flags]
         self._requires_grad = [g.expected for g in flags]
         groups = self.optimizer.param_groups if self.optimizer is not None else []
         self._group_lists = [group["params"] for group in groups]
-        self._group_lens = [len(params) for params in self._group_lists]
         self._group_flat = list(chain.from_iterable(self._group_lists))
-        self._arm_hooks()
+        self._arm()
 
-    def _arm_hooks(self) -> None:
-        """Snapshot the hook dicts now (they match the record) and the global handle counter."""
+    def _arm(self) -> None:
+        """Bind the cheap check to the objects present now (which match the record) and generate it."""
         self._hook_epoch = RemovableHandle.next_id
         self._hook_keys = {where: tuple(hooks) for where, hooks in hook_dicts(self.model, self.optimizer) if hooks}
-        self._hooked = [hooks for _, hooks in hook_dicts(self.model, self.optimizer) if hooks]
-        self._hook_counts = [len(hooks) for hooks in self._hooked]
+        names: dict[str, object] = {"RemovableHandle": RemovableHandle, "armed": self}
+        clauses = ["RemovableHandle.next_id == armed._hook_epoch"]
 
-    def _groups_unchanged(self) -> bool:
+        def bind(prefix: str, value: object) -> str:
+            name = f"{prefix}{len(names)}"
+            names[name] = value
+            return name
+        clauses += [f"len({bind('h', hooks)}) == {len(hooks)}"
+                    for _, hooks in hook_dicts(self.model, self.optimizer) if hooks]
+        # Instance dicts, not attributes: nn.Module defines __getattr__, which slows every attribute load.
+        clauses += [f"{bind('d', vars(m))}['training'] is {flag}" for m, flag in zip(self._modules, self._training)]
+        for attrs, name in zip(self._attr_dicts, self._attr_names):
+            value = attrs.get(name)  # a list may change in place: compare a copy by value, the rest by identity
+            clauses.append(f"{bind('d', attrs)}[{name!r}] == {bind('c', copy.deepcopy(value))}" if type(value) is list
+                           else f"{bind('d', attrs)}[{name!r}] is {bind('c', value)}")
+        clauses += [f"{bind('d', children)}[{name!r}] is {bind('m', child)}"
+                    for children, name, child in zip(self._child_dicts, self._child_names, self._children)]
+        clauses += [f"{bind('d', tensors)}[{name!r}] is {bind('t', tensor)}"
+                    for tensors, name, tensor in zip(self._tensor_dicts, self._tensor_names, self._tensors)]
+        clauses += [f"{bind('t', p)}.requires_grad is {flag}" for p, flag in zip(self._params, self._requires_grad)]
+        if self.optimizer is not None:
+            groups = bind("g", self.optimizer)
+            clauses.append(f"len({groups}.param_groups) == {len(self._group_lists)}")
+            for i, params in enumerate(self._group_lists):
+                members = bind("l", params)
+                clauses.append(f"{groups}.param_groups[{i}]['params'] is {members} and len({members}) == {len(params)}")
+                clauses += [f"{members}[{j}] is {bind('t', p)}" for j, p in enumerate(params)]
+        self.source = ("def unchanged():\n    try:\n        return (" + "\n                and ".join(clauses)
+                       + ")\n    except (KeyError, IndexError):\n        return False\n")
+        exec(compile(self.source, f"<fleetc guards of a {self.record.step_kind} step>", "exec"), names)  # noqa: S102
+        self._unchanged = names["unchanged"]
+
+    def _groups_as_compiled(self) -> bool:
         if self.optimizer is None:
             return True
         groups = self.optimizer.param_groups
-        return (len(groups) == len(self._group_lists)
-                and all(map(is_, map(_PARAMS, groups), self._group_lists))
-                and list(map(len, self._group_lists)) == self._group_lens
-                and all(map(is_, chain.from_iterable(self._group_lists), self._group_flat)))
-
-    def _unchanged(self) -> bool:
-        """The cheap check: True when nothing a guard watches has changed (False may still pass `failure()`)."""
-        values = list(map(dict.get, self._attr_dicts, self._attr_names))
-        return (RemovableHandle.next_id == self._hook_epoch
-                and list(map(len, self._hooked)) == self._hook_counts
-                and list(map(_TRAINING, self._modules)) == self._training
-                and values == self._attr_values and list(map(type, values)) == self._attr_types
-                and all(map(is_, map(dict.get, self._child_dicts, self._child_names), self._children))
-                and all(map(is_, map(dict.get, self._tensor_dicts, self._tensor_names), self._tensors))
-                and list(map(_DTYPE, self._tensors)) == self._dtypes
-                and list(map(_REQUIRES_GRAD, self._params)) == self._requires_grad
-                and self._groups_unchanged())
+        members = list(map(_PARAMS, groups))
+        return (list(map(len, members)) == list(map(len, self._group_lists))
+                and all(map(is_, chain.from_iterable(members), self._group_flat)))
 
     def passes(self) -> bool:
         """Whether the compiled Program still fits the world; cheap when nothing changed."""
-        return self._unchanged() or self.failure() is None
+        if self._unchanged():
+            return True
+        if self.failure() is None:  # nothing the Program depends on changed: watch the objects there now
+            self._arm()
+            return True
+        return False
 
     def failure(self) -> str | None:
         """What changed since the compile, in words (the first difference found), or None when nothing did."""
@@ -114,16 +132,17 @@ class GuardCheck:
                                                self.record.of_kind("module")):
             if children.get(name) is not child:
                 return f"module {path.target} was replaced or removed since the compile"
-        for tensors, name, tensor, dtype, guard in zip(self._tensor_dicts, self._tensor_names, self._tensors,
-                                                       self._dtypes, self.record.of_kind("tensor")):
+        for tensors, name, tensor, guard in zip(self._tensor_dicts, self._tensor_names, self._tensors,
+                                                self.record.of_kind("tensor")):
             if tensors.get(name) is not tensor:
                 return f"{guard.target} was replaced by another tensor (or removed) since the compile"
-            if tensor.dtype != dtype:
-                return _changed(f"{guard.target} dtype", guard.expected, str(tensor.dtype).removeprefix("torch."))
+            now = {"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch.")}
+            if now != guard.expected:
+                return _changed(guard.target, guard.expected, now)
         for param, guard in zip(self._params, self.record.of_kind("requires_grad")):
             if param.requires_grad != guard.expected:
                 return _changed(f"{guard.target}.requires_grad", guard.expected, param.requires_grad)
-        if not self._groups_unchanged():
+        if not self._groups_as_compiled():
             names = {id(p): n for n, p in self.model.named_parameters()}
             now = [[names.get(id(p), "<other tensor>") for p in group["params"]] for group in self.optimizer.param_groups]
             return _changed("the optimizer's param groups", [g.expected for g in self.record.of_kind("param_group")],
@@ -133,8 +152,7 @@ class GuardCheck:
     def _hooks_failure(self) -> str | None:
         now = {where: tuple(hooks) for where, hooks in hook_dicts(self.model, self.optimizer) if hooks}
         if now == self._hook_keys:
-            self._arm_hooks()  # hooks were registered elsewhere: nothing this Program depends on changed
-            return None
+            return None  # hooks were registered elsewhere: nothing this Program depends on changed
         (guard,) = self.record.of_kind("hooks")
         names = registered_hooks(self.model, self.optimizer)
         where = next(w for w in sorted(set(now) | set(self._hook_keys)) if now.get(w) != self._hook_keys.get(w))

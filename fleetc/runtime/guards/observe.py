@@ -40,11 +40,14 @@ def _argument_guards(args: tuple, kwargs: dict[str, Any]) -> list[Guard]:
 
 def _model_guards(model: nn.Module, program: Program, train: bool) -> list[Guard]:
     modules = list(model.named_modules())
-    guards = [Guard("training", path or "model", module.training) for path, module in modules] if train else []
+    reads = program.metadata.get("attribute_reads", ())
+    # The training flag of each module whose forward read it (an eval step runs every module in eval mode).
+    guards = [Guard("training", path or "model", value) for path, name, value in reads if name == "training"
+              and train]
     guards += [Guard("attribute", f"{path}.{name}" if path else name, value)
-               for path, name, value in program.metadata.get("attribute_reads", ())]
+               for path, name, value in reads if name != "training"]
     guards += [Guard("module", path, type(module).__qualname__) for path, module in modules[1:]]
-    guards += [Guard("tensor", name, str(t.dtype).removeprefix("torch."))
+    guards += [Guard("tensor", name, {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")})
                for name, t in [*model.named_parameters(), *model.named_buffers()]]
     if train:
         guards += [Guard("requires_grad", name, p.requires_grad) for name, p in model.named_parameters()]

@@ -17,10 +17,10 @@ RECORD_VERSION = 1
 GUARD_KINDS = {
     "input": "shape, dtype, device and requires_grad of a tensor argument (the cache key)",
     "constant_arg": "value of a non-tensor argument, baked into the Program (the cache key)",
-    "training": "a module's training flag",
+    "training": "the training flag of a module whose forward read it",
     "attribute": "a plain module attribute the step read",
     "module": "the class of the module at a path",
-    "tensor": "the dtype of the parameter or buffer under a name (and that it is still the same tensor)",
+    "tensor": "the parameter or buffer under a name: the same tensor object (checked every step), its shape and dtype",
     "requires_grad": "a parameter's requires_grad flag",
     "param_group": "the parameters of an optimizer param group, in order",
     "hooks": "the hooks registered on the model, its parameters and the optimizer",
@@ -43,6 +43,17 @@ class Guard:
         """`<target> <kind> was <expected>`, and what it is now when `value` is given."""
         now = "" if value is None else f", now {value!r}"
         return f"{self.target}: {self.kind} {self.expected!r} when compiled{now}"
+
+
+def _brief(guard: Guard) -> str:
+    """A guard's expected value in a few characters, for `summary()`."""
+    if guard.kind == "tensor":
+        return guard.expected["dtype"]  # shapes differ by tensor: the dtypes say more in one line
+    if guard.kind == "input":
+        shape = ", ".join(map(str, guard.expected["shape"]))
+        grad = " requires_grad" if guard.expected["requires_grad"] else ""
+        return f"{guard.expected['dtype']}[{shape}] {guard.expected['device']}{grad}"
+    return repr(guard.expected)
 
 
 @dataclass(frozen=True)
@@ -86,11 +97,12 @@ class GuardRecord:
                 continue
             if not guards:
                 continue
+            values = [_brief(g) for g in guards]
             if len(guards) <= 4:
-                detail = ", ".join(f"{g.target}={g.expected!r}" for g in guards)
+                detail = ", ".join(f"{g.target}={value}" for g, value in zip(guards, values))
             else:  # the common value once, then the exceptions
-                common, _ = Counter(repr(g.expected) for g in guards).most_common(1)[0]
-                odd = [f"{g.target}={g.expected!r}" for g in guards if repr(g.expected) != common]
+                common, _ = Counter(values).most_common(1)[0]
+                odd = [f"{g.target}={value}" for g, value in zip(guards, values) if value != common]
                 more = ", …" if len(odd) > 4 else ""
                 detail = f"{common} except {', '.join(odd[:4])}{more}" if odd else f"{common} for all"
             lines.append(f"{kind} ({len(guards)}): {detail}")
