@@ -164,7 +164,7 @@ class CompiledTrainer:
         leaves, spec = tree_flatten((args, kwargs))
         key: tuple = (("inputs", input_key(leaves, spec)),)
         if kind == "train" and self.optimizer is not None:
-            key += (("optimizer hyperparameters", optimizer_signature(self.optimizer)),)
+            key += (("the optimizer's hyperparameters or param group sizes", optimizer_signature(self.optimizer)),)
         compiled, reason = self._cache.lookup(kind, key)
         if compiled is None:
             with CompileProgress(f"fleetc: compiling the {kind} step"):
@@ -202,26 +202,36 @@ class CompiledTrainer:
             return True
         return (int(self.counters[merge["step"]]) + 1) % merge["k_steps"] == 0
 
-    def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """One training step: forward, loss, backward and the optimizer update. Returns the loss."""
-        self._steps += 1
-        compiled, leaves = self._lookup("train", args, kwargs)
-        self._last_train = compiled
-        tensors = [leaves[i] for i in compiled.tensor_positions]
+    @contextlib.contextmanager
+    def _optimizer_step_hooks(self, compiled: CompiledStep) -> Iterator[None]:
+        """The optimizer's step pre- and post-hooks around the compiled step, when it runs the update."""
+        pre_hooks, post_hooks = optimizer_step_hooks(self.optimizer)
+        hooked = bool(pre_hooks or post_hooks) and self._updates_this_step(compiled)
+        if hooked:
+            run_step_hooks(self.optimizer, pre_hooks)
+        yield
+        if hooked:
+            run_step_hooks(self.optimizer, post_hooks)
+
+    @staticmethod
+    def _refuse_accumulating_post_hooks(compiled: CompiledStep) -> None:
         for name, param in compiled.post_hooked:
             if param.grad is not None:
                 raise CaptureError(
                     f"{name} has post-accumulate-grad hooks and its .grad already holds a gradient: eager would run "
                     "them on the sum, fleetc runs them on each step's gradient. Clear gradients between steps "
                     "(model.zero_grad(set_to_none=True)) or use param.register_hook")
-        pre_hooks, post_hooks = optimizer_step_hooks(self.optimizer)
-        hooked = bool(pre_hooks or post_hooks) and self._updates_this_step(compiled)
-        if hooked:
-            run_step_hooks(self.optimizer, pre_hooks)
+
+    def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """One training step: forward, loss, backward and the optimizer update. Returns the loss."""
+        self._steps += 1
+        compiled, leaves = self._lookup("train", args, kwargs)
+        self._last_train = compiled
+        self._refuse_accumulating_post_hooks(compiled)
+        tensors = [leaves[i] for i in compiled.tensor_positions]
         feeds = tensors + self._hyper_feeds(compiled)  # before resolve(), which creates missing optimizer state
-        out = compiled.executable.run(compiled.binding.resolve(), feeds)
-        if hooked:
-            run_step_hooks(self.optimizer, post_hooks)
+        with self._optimizer_step_hooks(compiled):
+            out = compiled.executable.run(compiled.binding.resolve(), feeds)
         self._store_grads(compiled.program, out, tensors)
         return out["loss"]
 

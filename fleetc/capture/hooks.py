@@ -19,7 +19,7 @@ import torch.optim.optimizer as optimizer_hooks
 from torch import nn
 
 from fleetc.capture.to_program import grad_name, rename_temporary, splice_graph
-from fleetc.capture.trace import capture_error
+from fleetc.capture.trace import user_location
 from fleetc.errors import CaptureError
 from fleetc.ir.program import OpRole, Program, Ref
 
@@ -105,8 +105,10 @@ def _trace_hooks(name: str, param: torch.Tensor, hooks: list[Callable], post_hoo
                          tracing_mode="fake")(example, torch.empty_like(example))
     except Exception as exc:  # torch raises many types while tracing; all mean "this hook cannot be traced"
         names = ", ".join(hook_name(h) for h in hooks + post_hooks)
-        raise CaptureError(f"cannot trace the gradient hooks of {name!r} ({names}): {capture_error(exc)}. A hook "
-                           "may only compute with its arguments (one reading other tensors cannot be traced)") from exc
+        said = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise CaptureError(f"cannot trace the gradient hooks of {name!r} ({names}) at {user_location(exc)}: "
+                           f"{type(exc).__name__}: {said}. A traced hook may only compute with its arguments, "
+                           "without reading other tensors or branching on values") from exc
     # An in-place hook (`grad.mul_(2)`) leaves a copy_ back into its input: the returned value already holds it.
     for node in list(gm.graph.nodes):
         if node.target is torch.ops.aten.copy_.default and node.args[0].op == "placeholder":

@@ -183,7 +183,7 @@ def _clean_stale(root: str) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def begin(root: str) -> StagedVersion:
+def begin(root: str | os.PathLike) -> StagedVersion:
     """Start a new version of the checkpoint at `root` (created if missing), after cleaning up killed saves."""
     root = os.path.abspath(root)
     os.makedirs(root, exist_ok=True)
@@ -228,8 +228,19 @@ class CheckpointVersion:
                                   "fleetc loads with weights_only=True, so pickled code is refused") from None
 
 
-def open_latest(root: str, files: Iterable[str]) -> CheckpointVersion:
+def _valid_manifest(manifest: Any, files: Iterable[str]) -> bool:
+    if not (isinstance(manifest, dict) and manifest.get("fleetc_checkpoint") == FORMAT_VERSION
+            and isinstance(manifest.get("files"), dict) and isinstance(manifest.get("meta", {}), dict)):
+        return False
+    entries = manifest["files"]
+    return set(files) <= set(entries) and all(
+        isinstance(e, dict) and type(e.get("bytes")) is int and isinstance(e.get("sha256"), str)
+        and re.fullmatch(r"[0-9a-f]{64}", e["sha256"]) for e in entries.values())
+
+
+def open_latest(root: str | os.PathLike, files: Iterable[str]) -> CheckpointVersion:
     """The version LATEST names; `root` may also be a version directory or a checkpoint from before versioning."""
+    root = os.fspath(root)
     if not os.path.isdir(root):
         raise CheckpointError(f"{root}: no such checkpoint directory")
     name = _read_pointer(root)
@@ -241,9 +252,9 @@ def open_latest(root: str, files: Iterable[str]) -> CheckpointVersion:
                 manifest = json.load(handle)
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CheckpointError(f"{manifest_path}: unreadable ({exc})") from None
-        if not isinstance(manifest, dict) or manifest.get("fleetc_checkpoint") != FORMAT_VERSION \
-                or not isinstance(manifest.get("files"), dict):
-            raise CheckpointError(f"{manifest_path}: not a fleetc checkpoint manifest of format {FORMAT_VERSION}")
+        if not _valid_manifest(manifest, files):
+            raise CheckpointError(f"{manifest_path}: not a fleetc checkpoint manifest of format {FORMAT_VERSION} "
+                                  f"listing {sorted(files)} (damaged?)")
         return CheckpointVersion(path, manifest)
     missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
     if missing:

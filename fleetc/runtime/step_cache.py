@@ -64,14 +64,15 @@ class StepCache:
             failure = failure or step.guards.failure()
         if failure is None and entries:
             latest_key = next(reversed(entries.values()))[0]
-            failure = next((f"new {what}" for (what, value), (_, old) in zip(key, latest_key) if value != old), None)
+            failure = next((f"{what} changed" for (what, value), (_, old) in zip(key, latest_key) if value != old),
+                           None)
         return None, failure
 
     def add(self, kind: str, key: Key, step: CachedStep, reason: str | None, step_number: int) -> None:
         """Keep a freshly compiled step; log (or, under the "error" policy, refuse) it when it is a recompile."""
         entries = self._entries[kind]
         if entries:
-            if reason is not None and reason.startswith("new inputs"):
+            if reason is not None and reason.startswith("inputs changed"):
                 previous = next(reversed(entries.values()))[1]
                 reason = _input_change(previous.guards.record, step.guards.record) or reason
             line = f"step {step_number}: recompiled the {kind} step: {reason}"

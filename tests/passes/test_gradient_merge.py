@@ -158,7 +158,7 @@ def test_k_steps_1_is_switched_off_and_reported():
     assert ("gradient_merge: switched off (gradient_merge_configs.k_steps is 1, so there is nothing to merge)"
             in report.decisions)
     assert "gradient_merge" in str(report) and "gradient_merge" not in trainer.history.names()
-    assert len(trainer.program.blocks) == 1 and trainer.state_dict() == {"fleetc_owned": {}}
+    assert len(trainer.program.blocks) == 1 and trainer.state_dict()["fleetc_owned"] == {}
 
 
 def test_without_optimizer_the_pass_says_why_it_did_nothing():

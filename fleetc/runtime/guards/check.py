@@ -63,6 +63,7 @@ class GuardCheck:
         self._requires_grad = [g.expected for g in flags]
         groups = self.optimizer.param_groups if self.optimizer is not None else []
         self._group_lists = [group["params"] for group in groups]
+        self._group_lens = [len(params) for params in self._group_lists]  # the lists may grow in place later
         self._group_flat = list(chain.from_iterable(self._group_lists))
         self._arm()
 
@@ -107,7 +108,7 @@ class GuardCheck:
             return True
         groups = self.optimizer.param_groups
         members = list(map(_PARAMS, groups))
-        return (list(map(len, members)) == list(map(len, self._group_lists))
+        return (list(map(len, members)) == self._group_lens
                 and all(map(is_, chain.from_iterable(members), self._group_flat)))
 
     def passes(self) -> bool:

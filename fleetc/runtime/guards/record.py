@@ -39,10 +39,8 @@ class Guard:
         if self.kind not in GUARD_KINDS:
             raise ValueError(f"unknown guard kind {self.kind!r}; kinds: {', '.join(GUARD_KINDS)}")
 
-    def describe(self, value: Any = None) -> str:
-        """`<target> <kind> was <expected>`, and what it is now when `value` is given."""
-        now = "" if value is None else f", now {value!r}"
-        return f"{self.target}: {self.kind} {self.expected!r} when compiled{now}"
+
+_SUMMARISED_BY_COMMON_VALUE = ("training", "module", "tensor", "requires_grad")
 
 
 def _brief(guard: Guard) -> str:
@@ -98,8 +96,9 @@ class GuardRecord:
             if not guards:
                 continue
             values = [_brief(g) for g in guards]
-            if len(guards) <= 4:
-                detail = ", ".join(f"{g.target}={value}" for g, value in zip(guards, values))
+            if len(guards) <= 4 or kind not in _SUMMARISED_BY_COMMON_VALUE:
+                detail = ", ".join(f"{g.target}={value}" for g, value in zip(guards[:6], values)) + (
+                    ", …" if len(guards) > 6 else "")
             else:  # the common value once, then the exceptions
                 common, _ = Counter(values).most_common(1)[0]
                 odd = [f"{g.target}={value}" for g, value in zip(guards, values) if value != common]

@@ -82,6 +82,18 @@ def test_param_group_membership_is_guarded():
     assert "param groups changed" in _recompiles(pair)[0]
 
 
+def test_a_parameter_added_to_a_group_in_place_is_noticed():
+    def freeze_then_unfreeze(params):
+        params = list(params)
+        return torch.optim.SGD(params[:-1], lr=0.1)  # head.bias is not optimized at first
+
+    def add(model, optimizer):
+        optimizer.param_groups[0]["params"].append(model.head.bias)
+    pair = train_pair(Block, 3, {1: add}, make_optimizer=freeze_then_unfreeze)
+    pair.assert_same()
+    assert "param group sizes changed" in _recompiles(pair)[0]
+
+
 def test_a_replaced_submodule_recompiles_and_trains_the_new_one():
     def replace(model, optimizer):
         torch.manual_seed(5)
