@@ -154,8 +154,9 @@ class CompiledTrainer:
         report.recompiles = self._cache.log
         report.compile_seconds = time.perf_counter() - start
         leaves = tree_flatten((args, kwargs))[0]
+        accumulates = self.optimizer is None and kind == "train"  # into p.grad, across steps
         post_hooked = [(n, p) for n, p in self.model.named_parameters()
-                       if self.optimizer is None and kind == "train" and getattr(p, "_post_accumulate_grad_hooks", None)]
+                       if accumulates and getattr(p, "_post_accumulate_grad_hooks", None)]
         return CompiledStep(final, history, executable, binding, report, GuardCheck(record, self.model, self.optimizer),
                             [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)], out_spec,
                             self._momentum_probes(final), post_hooked)

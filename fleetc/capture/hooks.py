@@ -92,7 +92,14 @@ def _apply_gradient_hooks(param: torch.Tensor, grad: torch.Tensor, hooks: list[C
     return grad
 
 
-def _trace_hooks(name: str, param: torch.Tensor, hooks: list[Callable], post_hooks: list[Callable]) -> torch.fx.GraphModule:
+def _untraceable(name: str, hooks: list[Callable], why: str) -> CaptureError:
+    return CaptureError(f"cannot trace the gradient hooks of {name!r} ({', '.join(map(hook_name, hooks))}): {why}. "
+                        "A traced hook may only compute with its arguments, without reading other tensors or "
+                        "branching on values")
+
+
+def _trace_hooks(name: str, param: torch.Tensor, hooks: list[Callable],
+                 post_hooks: list[Callable]) -> torch.fx.GraphModule:
     # Imported here: make_fx pulls in torch._dynamo (seconds), which `import fleetc` need not pay.
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -104,11 +111,8 @@ def _trace_hooks(name: str, param: torch.Tensor, hooks: list[Callable], post_hoo
             gm = make_fx(torch.func.functionalize(apply, remove="mutations_and_views"),
                          tracing_mode="fake")(example, torch.empty_like(example))
     except Exception as exc:  # torch raises many types while tracing; all mean "this hook cannot be traced"
-        names = ", ".join(hook_name(h) for h in hooks + post_hooks)
         said = (str(exc).strip().splitlines() or [""])[0][:300]
-        raise CaptureError(f"cannot trace the gradient hooks of {name!r} ({names}) at {user_location(exc)}: "
-                           f"{type(exc).__name__}: {said}. A traced hook may only compute with its arguments, "
-                           "without reading other tensors or branching on values") from exc
+        raise _untraceable(name, hooks + post_hooks, f"{type(exc).__name__} at {user_location(exc)}: {said}") from exc
     # An in-place hook (`grad.mul_(2)`) leaves a copy_ back into its input: the returned value already holds it.
     for node in list(gm.graph.nodes):
         if node.target is torch.ops.aten.copy_.default and node.args[0].op == "placeholder":
@@ -134,9 +138,7 @@ def trace_gradient_hooks(program: Program, model: nn.Module) -> None:
         try:
             (result,) = splice_graph(program, gm, [Ref(name), Ref(raw)], prefix=f"{name}.grad_hook", attrs=attrs)
         except CaptureError as exc:
-            where = ", ".join(hook_name(h) for h in hooks + post_hooks)
-            raise CaptureError(f"cannot trace the gradient hooks of {name!r} ({where}): {exc}. A hook may only "
-                               "compute with its arguments (a hook that reads other tensors cannot be traced)") from exc
+            raise _untraceable(name, hooks + post_hooks, str(exc)) from exc
         # Hooks that leave the gradient as it is (observers) give back the raw value: it keeps its name.
         rename_temporary(program, result.name, grad_name(name))
         program.fetches[fetch] = grad_name(name)

@@ -57,6 +57,7 @@ def check_ranks_agree(label: str, facts: dict[str, list[str]], advice: str) -> N
 def check_plans_agree(program: Program, settings: dict[str, list[str]] | None = None) -> None:
     """Raise CollectiveError on every rank when any rank's collective plan (or `settings`, e.g. the optimizer's
     hyperparameters) differs from rank 0's; gloo would abort the process, and differing settings diverge."""
-    check_ranks_agree("plan check (hash exchange before the first step)",
-                      {"the collectives to issue (different collectives would abort gloo)": collective_plan(program), **(settings or {})},
+    facts = {"the collectives to issue (different collectives would abort gloo)": collective_plan(program),
+             **(settings or {})}
+    check_ranks_agree("plan check (hash exchange before the first step)", facts,
                       "Every rank must compile the same model, strategy, optimizer settings and input shapes.")

@@ -82,10 +82,17 @@ def check_owned_state(state: Any, owned: Mapping[str, torch.Tensor], config: Any
         raise CheckpointError(f"{where}: {RNG_KEY!r} must be a list of per-rank RNG states, got {_describe(rng)}")
 
 
+def _dtype_kind(tensor: torch.Tensor) -> str:
+    if tensor.dtype == torch.bool:
+        return "bool"
+    return "floating point" if tensor.is_floating_point() else "complex" if tensor.is_complex() else "integer"
+
+
 def check_model_state(state: Any, model: nn.Module, where: str) -> None:
     """CheckpointError unless `state` has exactly the model's keys, each with its shape and kind of dtype."""
     live = model.state_dict()
-    if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+    if not isinstance(state, Mapping) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                 for k, v in state.items()):
         raise CheckpointError(f"{where}: expected a model state_dict (name → tensor), got {_describe(state)}")
     missing, unexpected = sorted(set(live) - set(state)), sorted(set(state) - set(live))
     if missing or unexpected:
@@ -93,9 +100,10 @@ def check_model_state(state: Any, model: nn.Module, where: str) -> None:
     for name, tensor in state.items():
         mine = live[name]
         if tensor.shape != mine.shape:
-            raise CheckpointError(f"{where}: {name!r} has shape {list(tensor.shape)}, the model's is {list(mine.shape)}")
+            raise CheckpointError(f"{where}: {name!r} has shape {list(tensor.shape)}, the model's is "
+                                  f"{list(mine.shape)}")
         # Precision may differ (amp use_pure_fp16 saves low-precision weights; loading casts, as torch does).
-        if (tensor.is_floating_point(), tensor.dtype == torch.bool) != (mine.is_floating_point(), mine.dtype == torch.bool):
+        if _dtype_kind(tensor) != _dtype_kind(mine):
             raise CheckpointError(f"{where}: {name!r} is {tensor.dtype}, the model's is {mine.dtype}")
 
 
@@ -115,6 +123,8 @@ def check_optimizer_state(state: Any, optimizer: torch.optim.Optimizer | None, s
                               f"got {_describe(state)}")
     live = optimizer.state_dict()["param_groups"]
     groups = state["param_groups"]
+    if not all(isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in groups):
+        raise CheckpointError(f"{where}: every param group must be a mapping with a 'params' list")
     if [len(g.get("params", ())) for g in groups] != [len(g["params"]) for g in live]:
         raise CheckpointError(f"{where}: param groups of sizes {[len(g.get('params', ())) for g in groups]}, this "
                               f"optimizer's are {[len(g['params']) for g in live]}")

@@ -145,7 +145,8 @@ class GuardCheck:
                 return _changed(f"{guard.target}.requires_grad", guard.expected, param.requires_grad)
         if not self._groups_as_compiled():
             names = {id(p): n for n, p in self.model.named_parameters()}
-            now = [[names.get(id(p), "<other tensor>") for p in group["params"]] for group in self.optimizer.param_groups]
+            now = [[names.get(id(p), "<other tensor>") for p in group["params"]]
+                   for group in self.optimizer.param_groups]
             return _changed("the optimizer's param groups", [g.expected for g in self.record.of_kind("param_group")],
                             now)
         return self._hooks_failure()

@@ -61,7 +61,9 @@ def observe_guards(step_kind: str, model: nn.Module, optimizer: torch.optim.Opti
     guards = _argument_guards(args, kwargs) + _model_guards(model, program, train)
     if train and optimizer is not None:
         names = param_names(model)
-        guards += [Guard("param_group", str(i), [names.get(id(p), f"<tensor {tuple(p.shape)}>") for p in group["params"]])
+        guards += [Guard("param_group", str(i), [names.get(id(p), f"<tensor {tuple(p.shape)}>")
+                                                 for p in group["params"]])
                    for i, group in enumerate(optimizer.param_groups)]
-    guards.append(Guard("hooks", "model, parameters and optimizer", registered_hooks(model, optimizer if train else None)))
+    hooks = registered_hooks(model, optimizer if train else None)
+    guards.append(Guard("hooks", "model, parameters and optimizer", hooks))
     return GuardRecord(step_kind, tuple(guards))
