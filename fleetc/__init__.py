@@ -11,6 +11,7 @@ from fleetc.errors import (
     CollectiveError,
     ExportError,
     FleetcError,
+    GuardError,
     PassError,
     ProgramParseError,
     StrategyError,
@@ -31,7 +32,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Block", "BuildStrategy", "CaptureError", "CheckpointError", "CollectiveError", "CompileReport",
-    "CompiledTrainer", "DistributedStrategy", "ExecutionStrategy", "ExportError", "FleetcError", "Op", "OpRole",
-    "PassError", "Program", "ProgramParseError", "Strategy", "StrategyError", "UnsupportedOptimizerError", "Var",
-    "VarKind", "VerificationError", "compile", "device_guard", "load_inference_model",
+    "CompiledTrainer", "DistributedStrategy", "ExecutionStrategy", "ExportError", "FleetcError", "GuardError", "Op",
+    "OpRole", "PassError", "Program", "ProgramParseError", "Strategy", "StrategyError", "UnsupportedOptimizerError",
+    "Var", "VarKind", "VerificationError", "compile", "device_guard", "load_inference_model",
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import os
 import sys
@@ -78,6 +79,11 @@ def _import_factory(spec: str) -> Callable:
         target = importlib.import_module(module_name)
     except ImportError as exc:
         raise CommandError(f"cannot import module {module_name!r}: {exc}") from None
+    except SyntaxError as exc:
+        raise CommandError(f"cannot import module {module_name!r}: syntax error at {exc.filename}:{exc.lineno}: "
+                           f"{exc.msg}") from None
+    except Exception as exc:  # the module's own code failed while importing: report it, do not crash
+        raise CommandError(f"importing module {module_name!r} raised {type(exc).__name__}: {exc}") from None
     for part in attr.split("."):
         if not hasattr(target, part):
             public = [n for n in dir(target) if not n.startswith("_")]
@@ -85,7 +91,22 @@ def _import_factory(spec: str) -> Callable:
         target = getattr(target, part)
     if not callable(target):
         raise CommandError(f"{spec!r} is not a callable factory (it is a {type(target).__name__})")
+    try:
+        inspect.signature(target).bind()
+    except TypeError as exc:
+        raise CommandError(f"factory {spec!r} must take no arguments ({exc})") from None
+    except ValueError:
+        pass  # no signature to check (a builtin): calling it will tell
     return target
+
+
+def _call_factory(factory: Callable, spec: str) -> Any:
+    try:
+        return factory()
+    except FleetcError:
+        raise
+    except Exception as exc:  # the user's factory failed: one line naming it, not a traceback
+        raise CommandError(f"factory {spec!r} raised {type(exc).__name__}: {exc}") from None
 
 
 def _step_spec(result: Any, spec: str) -> StepSpec:
@@ -108,6 +129,11 @@ def _step_spec(result: Any, spec: str) -> StepSpec:
     if not isinstance(kwargs, Mapping):
         raise CommandError(f"factory {spec!r}: 'kwargs' is a {type(kwargs).__name__}, not a dict")
     optimizer = result["optimizer"] if "optimizer" in result else torch.optim.SGD(model.parameters(), lr=0.01)
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise CommandError(f"factory {spec!r}: 'optimizer' is a {type(optimizer).__name__} ({optimizer!r:.40}), not a "
+                           "torch.optim.Optimizer: build it, e.g. torch.optim.SGD(model.parameters(), lr=0.01)")
+    if result.get("loss_fn") is not None and not callable(result["loss_fn"]):
+        raise CommandError(f"factory {spec!r}: 'loss_fn' is a {type(result['loss_fn']).__name__}, not a callable")
     return StepSpec(model, tuple(args), dict(kwargs), result.get("loss_fn"), optimizer, result.get("strategy"))
 
 
@@ -185,7 +211,7 @@ def _render_json(records: list[PassRecord], options: argparse.Namespace) -> str:
 def dump_ir(options: argparse.Namespace) -> int:
     """Compile the factory's model (running one training step) and print the selected Programs."""
     _check_options(options)
-    spec = _step_spec(_import_factory(options.factory)(), options.factory)
+    spec = _step_spec(_call_factory(_import_factory(options.factory), options.factory), options.factory)
     strategy = _load_strategy(options.strategy) if options.strategy else spec.strategy
     trainer = fleetc.compile(spec.model, strategy, optimizer=spec.optimizer, loss_fn=spec.loss_fn,
                              verify=options.verify, disable_passes=options.disable_pass)

@@ -5,7 +5,7 @@ import contextlib
 import gc
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -17,8 +17,10 @@ from fleetc.capture import (
     optimizer_signature,
     param_names,
 )
+from fleetc.capture.hooks import optimizer_step_hooks, run_step_hooks
+from fleetc.capture.to_program import INPUT_GRAD_FETCH
 from fleetc.codegen.cpu.backend import resolve_mode
-from fleetc.errors import PassError
+from fleetc.errors import CaptureError, PassError
 from fleetc.ir.liveness import estimate_memory
 from fleetc.ir.program import Program
 from fleetc.ir.verifier import verify
@@ -33,23 +35,48 @@ from fleetc.passes.order import (
 from fleetc.passes.progress import CompileProgress, ProgressInstrument, progress_stage
 from fleetc.passes.recompute import RecomputePolicy
 from fleetc.report import CompileReport
-from fleetc.runtime.checkpoint import load_owned_state, owned_state_dict
+from fleetc.runtime.checkpoint import (
+    STATE_KEY,
+    TrainerState,
+    check_owned_state,
+    load_checkpoint,
+    owned_state_dict,
+    rng_state,
+    save_checkpoint,
+)
 from fleetc.runtime.executor import Executable
+from fleetc.runtime.guards import GuardCheck, input_key, observe_guards
 from fleetc.runtime.state import StateBinding
+from fleetc.runtime.step_cache import DEFAULT_CACHE_LIMIT, StepCache
 from fleetc.strategy import resolve_conflicts, resolve_strategy
+
+
+@contextlib.contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    """The model in eval mode; afterwards every submodule's own training flag is back as it was."""
+    flags = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in flags:
+            module.training = training
 
 
 @dataclass
 class CompiledStep:
-    """Everything compiled for one input signature."""
+    """Everything compiled for one input signature (and the world its guards describe)."""
 
     program: Program
     history: History
     executable: Executable
     binding: StateBinding
     report: CompileReport
+    guards: GuardCheck
+    tensor_positions: list[int]  # which leaves of (args, kwargs) are fed; the others are baked in
     out_spec: TreeSpec | None = None
     momentum_probes: tuple = ()  # per param group: (feeds "fresh"?, a param whose missing buffer means fresh)
+    post_hooked: list = ()  # without an optimizer: (name, param) of params with post-accumulate-grad hooks
 
 
 @contextlib.contextmanager
@@ -65,23 +92,14 @@ def _gc_paused():
             gc.enable()
 
 
-def _signature(leaves: list, spec: TreeSpec) -> tuple:
-    parts = []
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            parts.append(("tensor", tuple(leaf.shape), leaf.dtype, str(leaf.device)))
-        else:
-            parts.append(("value", type(leaf).__name__, repr(leaf)))
-    return (str(spec), *parts)
-
-
 class CompiledTrainer:
     """A model's training step compiled into a Program: `step()` trains, calling it evaluates."""
 
     def __init__(self, model: nn.Module, strategy: Any = None, *, optimizer: torch.optim.Optimizer | None = None,
                  loss_fn: Callable | None = None, measure_memory: bool = False, verify: bool = False,
                  disable_passes: Iterable[str] = (), print_after: str | None = None,
-                 recompute_policy: RecomputePolicy | None = None, cpu_kernels: str | None = None):
+                 recompute_policy: RecomputePolicy | None = None, cpu_kernels: str | None = None,
+                 on_guard_failure: str = "recompile", cache_limit: int = DEFAULT_CACHE_LIMIT):
         self.model = model
         self.cpu_kernels = resolve_mode(cpu_kernels)
         self.recompute_policy = recompute_policy
@@ -99,8 +117,8 @@ class CompiledTrainer:
             raise ValueError(f"print_after must be None, 'all' or 'change', not {print_after!r}")
         self.print_after = print_after
         self.counters: dict[str, torch.Tensor] = {}
-        self._train_cache: dict[tuple, CompiledStep] = {}
-        self._eval_cache: dict[tuple, CompiledStep] = {}
+        self._cache = StepCache(cache_limit, on_guard_failure)
+        self._steps = 0
         self._last_train: CompiledStep | None = None
         self._last_eval: CompiledStep | None = None
 
@@ -139,25 +157,38 @@ class CompiledTrainer:
         if kind == "train":
             program, out_spec = capture_train_program(self.model, self.loss_fn, self.optimizer, args, kwargs), None
         else:
-            program, out_spec = capture_eval_program(self.model, args, kwargs)
+            with _eval_mode(self.model):
+                program, out_spec = capture_eval_program(self.model, args, kwargs)
         final, history, report = self._optimize(program, time.perf_counter() - start)
         progress_stage("codegen")
         executable = Executable(final, measure_memory=self.measure_memory, cpu_kernels=self.cpu_kernels)
         binding = StateBinding(final, self.model, self.optimizer, self.counters)
+        # Observed after binding: amp use_pure_fp16 converts the parameters the guards record the dtype of.
+        record = observe_guards(kind, self.model, self.optimizer, args, kwargs, program)
+        final.metadata["guards"] = record.to_data()
+        report.guards = record.summary()
+        report.recompiles = self._cache.log
         report.compile_seconds = time.perf_counter() - start
         report.kernels = executable.kernel_usage
-        return CompiledStep(final, history, executable, binding, report, out_spec, self._momentum_probes(final))
+        leaves = tree_flatten((args, kwargs))[0]
+        accumulates = self.optimizer is None and kind == "train"  # into p.grad, across steps
+        post_hooked = [(n, p) for n, p in self.model.named_parameters()
+                       if accumulates and getattr(p, "_post_accumulate_grad_hooks", None)]
+        return CompiledStep(final, history, executable, binding, report, GuardCheck(record, self.model, self.optimizer),
+                            [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)], out_spec,
+                            self._momentum_probes(final), post_hooked)
 
     def _lookup(self, kind: str, args: tuple, kwargs: dict) -> tuple[CompiledStep, list]:
         leaves, spec = tree_flatten((args, kwargs))
-        key = _signature(leaves, spec) + (self.model.training,)
+        key: tuple = (("inputs", input_key(leaves, spec)),)
         if kind == "train" and self.optimizer is not None:
-            key += optimizer_signature(self.optimizer)
-        cache = self._train_cache if kind == "train" else self._eval_cache
-        if key not in cache:
+            key += (("the optimizer's hyperparameters or param group sizes", optimizer_signature(self.optimizer)),)
+        compiled, reason = self._cache.lookup(kind, key)
+        if compiled is None:
             with CompileProgress(f"fleetc: compiling the {kind} step"), _gc_paused():
-                cache[key] = self._compile(kind, args, kwargs)
-        return cache[key], leaves
+                compiled = self._compile(kind, args, kwargs)
+            self._cache.add(kind, key, compiled, reason, self._steps)
+        return compiled, leaves
 
     # ----- running ---------------------------------------------------------------------------
     def _momentum_probes(self, program: Program) -> tuple:
@@ -182,49 +213,98 @@ class CompiledTrainer:
                 feeds.append(probe is None or "momentum_buffer" not in self.optimizer.state[probe])
         return feeds
 
+    def _updates_this_step(self, compiled: CompiledStep) -> bool:
+        """Whether this step runs the optimizer update (under gradient merge, every k-th step only)."""
+        merge = compiled.program.metadata.get("gradient_merge")
+        if merge is None:
+            return True
+        return (int(self.counters[merge["step"]]) + 1) % merge["k_steps"] == 0
+
+    @contextlib.contextmanager
+    def _optimizer_step_hooks(self, compiled: CompiledStep) -> Iterator[None]:
+        """The optimizer's step pre- and post-hooks around the compiled step, when it runs the update."""
+        pre_hooks, post_hooks = optimizer_step_hooks(self.optimizer)
+        hooked = bool(pre_hooks or post_hooks) and self._updates_this_step(compiled)
+        if hooked:
+            run_step_hooks(self.optimizer, pre_hooks)
+        yield
+        if hooked:
+            run_step_hooks(self.optimizer, post_hooks)
+
+    @staticmethod
+    def _refuse_accumulating_post_hooks(compiled: CompiledStep) -> None:
+        for name, param in compiled.post_hooked:
+            if param.grad is not None:
+                raise CaptureError(
+                    f"{name} has post-accumulate-grad hooks and its .grad already holds a gradient: eager would run "
+                    "them on the sum, fleetc runs them on each step's gradient. Clear gradients between steps "
+                    "(model.zero_grad(set_to_none=True)) or use param.register_hook")
+
     def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """One training step: forward, loss, backward and the optimizer update. Returns the loss."""
+        self._steps += 1
         compiled, leaves = self._lookup("train", args, kwargs)
         self._last_train = compiled
-        feeds = leaves + self._hyper_feeds(compiled)
-        out = compiled.executable.run(compiled.binding.resolve(), feeds)
-        if self.optimizer is None:
-            self._store_grads(compiled.program, out)
+        self._refuse_accumulating_post_hooks(compiled)
+        tensors = [leaves[i] for i in compiled.tensor_positions]
+        feeds = tensors + self._hyper_feeds(compiled)  # before resolve(), which creates missing optimizer state
+        with self._optimizer_step_hooks(compiled):
+            out = compiled.executable.run(compiled.binding.resolve(), feeds)
+        self._store_grads(compiled.program, out, tensors)
         return out["loss"]
 
-    def _store_grads(self, program: Program, out: dict[str, Any]) -> None:
-        """Accumulate into `p.grad`, as `loss.backward()` does."""
-        params = dict(self.model.named_parameters())
+    def _store_grads(self, program: Program, out: dict[str, Any], inputs: list[torch.Tensor]) -> None:
+        """Accumulate into `p.grad` (without an optimizer) and into the `.grad` of inputs that require grad, as
+        `loss.backward()` does."""
+        feeds = dict(zip(program.feeds, inputs))
+        params = dict(self.model.named_parameters()) if self.optimizer is None else {}
         for key, value in out.items():
-            if key.startswith("grad:"):
-                param = params[key[5:]]
-                if param.grad is None:
-                    param.grad = value
-                else:
-                    param.grad += value
+            if key.startswith("grad:") and params:
+                target = params[key[5:]]
+            elif key.startswith(INPUT_GRAD_FETCH):
+                target = feeds[key[len(INPUT_GRAD_FETCH):]]
+                if not target.is_leaf:
+                    continue  # eager keeps .grad only on leaves
+            else:
+                continue
+            if target.grad is None:
+                target.grad = value
+            else:
+                target.grad += value
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Forward only, with eval semantics (dropout off, BatchNorm running stats) and no grad."""
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            compiled, leaves = self._lookup("eval", args, kwargs)
-        finally:
-            self.model.train(was_training)
+        compiled, leaves = self._lookup("eval", args, kwargs)
         self._last_eval = compiled
-        out = compiled.executable.run(compiled.binding.resolve(), leaves)
+        out = compiled.executable.run(compiled.binding.resolve(), [leaves[i] for i in compiled.tensor_positions])
         outputs = [out[f"output.{i}"] for i in range(len(out))]
         return tree_unflatten(outputs, compiled.out_spec)
 
     # ----- checkpointing ---------------------------------------------------------------------
+    def _live_state(self) -> TrainerState:
+        return TrainerState(self.model, self.optimizer, self.counters)
+
     def state_dict(self) -> dict[str, Any]:
-        """Copies of fleetc-owned state (step counters, gradient-merge accumulators, …): checkpoint it beside
-        `model.state_dict()` and `optimizer.state_dict()`."""
-        return owned_state_dict(self.counters)
+        """fleetc's own state: copies of its counters and accumulators, the strategy state they belong to, and the
+        RNG state; checkpoint it beside `model.state_dict()` and `optimizer.state_dict()` (or use save_checkpoint)."""
+        return owned_state_dict(self.counters, self.config, [rng_state()])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore `state_dict()` output, before or after the first step; a resumed run continues mid-cycle."""
-        load_owned_state(self.counters, state_dict)
+        """Restore `state_dict()` output, before or after the first step (a resumed run continues mid-cycle and
+        the same random stream); CheckpointError, with nothing changed, when it does not fit this trainer."""
+        check_owned_state(state_dict, self.counters, self.config, "the fleetc state_dict")
+        live = self._live_state()
+        live.restore_owned(state_dict[STATE_KEY], live.rng_of_this_rank(state_dict))
+
+    def save_checkpoint(self, dirname: str) -> str:
+        """Save model, optimizer and fleetc state (RNG included) as a new crash-safe version of the checkpoint
+        directory `dirname` (docs/checkpoints.md); returns the version's directory."""
+        return save_checkpoint(dirname, self._live_state(), self.config, [rng_state()])
+
+    def load_checkpoint(self, dirname: str) -> str:
+        """Restore what save_checkpoint (or fleet.save_persistables) wrote: every file is checked against this
+        trainer first, so it is restored completely or not at all (CheckpointError). Returns the version read."""
+        return load_checkpoint(dirname, self._live_state(), self.config)
 
     # ----- inspecting ------------------------------------------------------------------------
     def _require_train(self) -> CompiledStep:
@@ -266,7 +346,8 @@ class CompiledTrainer:
 def compile(model: nn.Module, strategy: Any = None, *, optimizer: torch.optim.Optimizer | None = None,
             loss_fn: Callable | None = None, measure_memory: bool = False, verify: bool = False,
             disable_passes: Iterable[str] = (), print_after: str | None = None,
-            recompute_policy: RecomputePolicy | None = None, cpu_kernels: str | None = None) -> CompiledTrainer:
+            recompute_policy: RecomputePolicy | None = None, cpu_kernels: str | None = None,
+            on_guard_failure: str = "recompile", cache_limit: int = DEFAULT_CACHE_LIMIT) -> CompiledTrainer:
     """Compile `model`'s training step under `strategy` (any fleetc strategy object, or None for defaults).
 
     Compilation is lazy: the first `step(*inputs)` captures and compiles for that input signature.
@@ -275,10 +356,13 @@ def compile(model: nn.Module, strategy: Any = None, *, optimizer: torch.optim.Op
     `cpu_kernels` ("off", "background", "sync"; default $FLEETC_CPU_KERNELS, else "off") runs fused ops on CPU
     tensors as generated C++ kernels, built in the background or before the first step (docs/cpu_backend.md). An
     optimizer from `fleet.distributed_optimizer` gives a data-parallel trainer (its strategy applies when
-    `strategy` is None).
+    `strategy` is None). When something a compiled step assumed changes (see docs/guards.md), the step recompiles
+    (`on_guard_failure="recompile"`, logged in `report().recompiles`) or raises GuardError (`"error"`); at most
+    `cache_limit` Programs per step kind are kept.
     """
     options = dict(loss_fn=loss_fn, measure_memory=measure_memory, verify=verify, disable_passes=disable_passes,
-                   print_after=print_after, recompute_policy=recompute_policy, cpu_kernels=cpu_kernels)
+                   print_after=print_after, recompute_policy=recompute_policy, cpu_kernels=cpu_kernels,
+                   on_guard_failure=on_guard_failure, cache_limit=cache_limit)
     # An optimizer from fleet.distributed_optimizer builds its own (data-parallel) trainer: fleet sits above the
     # compiler and supplies it, so the compiler never imports the Fleet API.
     compile_trainer = getattr(optimizer, "compile_trainer", None)

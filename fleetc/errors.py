@@ -29,6 +29,11 @@ class CheckpointError(FleetcError, ValueError):
     """A trainer state_dict is malformed or does not fit the compiled Program's fleetc-owned state."""
 
 
+class GuardError(FleetcError, RuntimeError):
+    """Something a compiled step assumed (a module's training flag, a hook, an attribute, an input shape) changed
+    while recompiling is switched off (`on_guard_failure="error"`); names what changed."""
+
+
 class CollectiveError(FleetcError, RuntimeError):
     """A collective failed or timed out, or ranks planned different collectives; names the collective and the ranks."""
 

@@ -11,6 +11,7 @@ class CompileReport:
 
     `applied`: passes that changed the Program, in order. `skipped`: pass or strategy field → reason.
     `stats`: pass → statistics. `decisions`: how conflicting strategy settings were resolved.
+    `guards`: what the Program assumed (docs/guards.md). `recompiles`: every recompile so far, with its reason.
     """
 
     applied: list[str] = field(default_factory=list)
@@ -23,6 +24,8 @@ class CompileReport:
     ops_before: int = 0
     ops_after: int = 0
     kernels: Any = None  # the CPU backend's live KernelUsage: which fused ops ran a C++ kernel, which the reference
+    guards: list[str] = field(default_factory=list)  # what the Program assumed, one line per kind of guard
+    recompiles: list[str] = field(default_factory=list)  # the trainer's recompiles so far, each with its reason
 
     def __str__(self) -> str:
         lines = [f"fleetc compile report: {self.ops_before} → {self.ops_after} ops in {self.compile_seconds:.2f} s"]
@@ -41,4 +44,10 @@ class CompileReport:
             lines.append(f"estimated peak memory: {self.memory['estimated_peak_bytes'] / 2**20:.2f} MiB")
         if self.kernels is not None and self.kernels.mode != "off":
             lines += self.kernels.lines()
+        if self.guards:
+            lines.append("guards (a change recompiles):")
+            lines += [f"  {g}" for g in self.guards]
+        if self.recompiles:
+            lines.append("recompiles:")
+            lines += [f"  {r}" for r in self.recompiles]
         return "\n".join(lines)

@@ -56,3 +56,15 @@ def missing_args() -> dict:
 
 
 not_callable = 42
+
+
+def needs_arguments(width: int) -> dict:
+    return _mlp_step()
+
+
+def optimizer_as_a_string() -> dict:
+    return {**_mlp_step(), "optimizer": "sgd"}
+
+
+def raises() -> dict:
+    raise RuntimeError("the factory itself failed")

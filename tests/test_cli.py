@@ -136,9 +136,18 @@ def test_strategy_file_overrides_the_factory_strategy(capsys, tmp_path, monkeypa
     (["cli_factories:mlp", "--strategy", "{tmp}/missing.json"], "cannot load strategy file '{tmp}/missing.json'"),
     (["cli_factories:mlp", "--strategy", "{tmp}/bad.json"], "did you mean 'recompute'?"),
     (["cli_factories:mlp", "--memory", "--format", "json"], "--memory applies to --format text only"),
+    (["cli_factories:needs_arguments"], "factory 'cli_factories:needs_arguments' must take no arguments"),
+    (["cli_factories:optimizer_as_a_string"], "'optimizer' is a str ('sgd'), not a torch.optim.Optimizer"),
+    (["cli_factories:raises"], "factory 'cli_factories:raises' raised RuntimeError: the factory itself failed"),
+    (["broken_factory_module:f"], "cannot import module 'broken_factory_module': syntax error at "),
+    (["failing_factory_module:f"], "importing module 'failing_factory_module' raised ZeroDivisionError"),
 ])
-def test_bad_input_gives_one_line_and_exit_2(capsys, tmp_path, argv, message) -> None:
+def test_bad_input_gives_one_line_and_exit_2(capsys, tmp_path, monkeypatch, argv, message) -> None:
     (tmp_path / "bad.json").write_text('{"recompue": true}')
+    (tmp_path / "broken_factory_module.py").write_text("def f(:\n    pass\n")
+    (tmp_path / "failing_factory_module.py").write_text("1 / 0\n")
+    monkeypatch.chdir(tmp_path)  # dump-ir imports factories from the current directory, as `python -m` does
+    monkeypatch.syspath_prepend(str(TESTS_DIR))
     code, out, err = dump(capsys, *(a.format(tmp=tmp_path) for a in argv))
     assert code == 2 and out == ""
     assert err.startswith("fleetc dump-ir: error: ") and err.count("\n") == 1

@@ -1,6 +1,7 @@
 """Capture: a model, loss function and optimizer become one static training Program (and an eval one)."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Any, Callable
 
@@ -8,8 +9,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import TreeSpec, keystr, tree_flatten_with_path
 
+from fleetc.capture.attribute_reads import recording_attribute_reads
+from fleetc.capture.hooks import refuse_untraceable_hooks, trace_gradient_hooks
 from fleetc.capture.optimizer import lower_optimizer, optimizer_signature
-from fleetc.capture.step_module import TrainStep, split_step_args
+from fleetc.capture.step_module import EvalStep, StepInputs, TrainStep, split_step_args
 from fleetc.capture.to_program import graph_to_program
 from fleetc.capture.trace import trace_step
 from fleetc.ir.program import Program
@@ -52,14 +55,39 @@ def canonical_names(model: nn.Module) -> dict[str, str]:
     return aliases
 
 
+def _traced(module: nn.Module, model: nn.Module, inputs: StepInputs, *, train: bool) -> tuple[Any, TreeSpec, list]:
+    """Trace `module` on the tensor inputs, recording the model's plain attribute reads; train steps trace with
+    grad enabled whatever the caller's mode (the step computes its own gradients, like a loss.backward())."""
+    grad_mode = contextlib.ExitStack()
+    if train:
+        grad_mode.enter_context(torch.inference_mode(False))
+        grad_mode.enter_context(torch.enable_grad())
+    with grad_mode, recording_attribute_reads(model) as reads:
+        # Tensors made under inference_mode cannot be traced through autograd; a copy stands in for the example.
+        examples = tuple(t.clone() if train and t.is_inference() else t for t in inputs.tensors)
+        graph, out_spec = trace_step(module, examples, {}, train=train)
+    return graph, out_spec, reads
+
+
+def _tensor_feed_names(model: nn.Module, args: tuple, kwargs: dict, inputs: StepInputs, has_target: bool) -> list[str]:
+    names = _feed_names(model, args, kwargs, has_target)
+    return [names[i] for i in inputs.tensor_positions]
+
+
 def capture_train_program(model: nn.Module, loss_fn: Callable | None, optimizer: torch.optim.Optimizer | None,
                           args: tuple, kwargs: dict[str, Any]) -> Program:
-    """The whole training step: forward, loss, backward and (with an optimizer) the update."""
-    step = TrainStep(model, loss_fn)
-    graph, _ = trace_step(step, args, kwargs, train=True)
-    program = graph_to_program(graph, _feed_names(model, args, kwargs, loss_fn is not None), wrapped=True,
-                               loss_fn_given=loss_fn is not None, canonical=canonical_names(model))
+    """The whole training step: forward, loss, backward, the gradient hooks and (with an optimizer) the update.
+
+    Non-tensor arguments are baked in; `metadata["attribute_reads"]` lists the plain module attributes read.
+    """
+    refuse_untraceable_hooks(model)
+    inputs = StepInputs(args, kwargs)
+    graph, _, reads = _traced(TrainStep(model, loss_fn, inputs), model, inputs, train=True)
+    program = graph_to_program(graph, _tensor_feed_names(model, args, kwargs, inputs, loss_fn is not None),
+                               wrapped=True, loss_fn_given=loss_fn is not None, canonical=canonical_names(model))
     program.metadata["kind"] = "train"
+    program.metadata["attribute_reads"] = reads
+    trace_gradient_hooks(program, model)
     if optimizer is not None:
         lower_optimizer(program, optimizer, param_names(model))
     return program
@@ -67,11 +95,14 @@ def capture_train_program(model: nn.Module, loss_fn: Callable | None, optimizer:
 
 def capture_eval_program(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[Program, TreeSpec]:
     """Forward only, no grad, eval-mode semantics (the caller switches the model to eval); and the output spec."""
-    graph, out_spec = trace_step(model, args, kwargs, train=False)
-    program = graph_to_program(graph, _feed_names(model, args, kwargs, False), wrapped=False, loss_fn_given=False,
-                               canonical=canonical_names(model))
+    inputs = StepInputs(args, kwargs)
+    graph, out_spec, reads = _traced(EvalStep(model, inputs), model, inputs, train=False)
+    program = graph_to_program(graph, _tensor_feed_names(model, args, kwargs, inputs, False), wrapped=True,
+                               loss_fn_given=False, canonical=canonical_names(model))
     program.metadata["kind"] = "eval"
+    program.metadata["attribute_reads"] = reads
     return program, out_spec
 
 
-__all__ = ["capture_train_program", "capture_eval_program", "optimizer_signature", "split_step_args", "param_names"]
+__all__ = ["StepInputs", "capture_train_program", "capture_eval_program", "optimizer_signature", "split_step_args",
+           "param_names"]

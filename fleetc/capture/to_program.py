@@ -22,6 +22,7 @@ from fleetc.ir.program import Op, OpRole, Program, Ref, Var, VarKind
 
 LOSS_VAR = "loss"
 OUTPUT_VAR = "output"
+INPUT_GRAD_FETCH = "input_grad:"  # fetch key prefix of a step input's gradient (an input with requires_grad)
 
 
 def grad_name(param: str) -> str:
@@ -54,6 +55,22 @@ def _var_from_value(name: str, value: Any, kind: VarKind) -> Var:
     if isinstance(value, float):
         return Var(name, None, "float64", "cpu", kind)
     raise CaptureError(f"value {name!r} of type {type(value).__name__} cannot be a Program variable")
+
+
+def rename_temporaries(program: Program, mapping: dict[str, str]) -> None:
+    """Rename Vars of the global block everywhere they appear (definitions, readers, fetches), in one pass over the
+    ops: a pass per name grows quadratically with the step."""
+    if not mapping:
+        return
+    block = program.global_block
+    for old, new in mapping.items():
+        var = block.vars.pop(old)
+        var.name = new
+        block.vars[new] = var
+    for op in block.ops:
+        op.rename_inputs(mapping)
+        op.outputs = [mapping.get(o, o) for o in op.outputs]
+    program.fetches = {key: mapping.get(name, name) for key, name in program.fetches.items()}
 
 
 class _Converter:
@@ -128,11 +145,15 @@ class _Converter:
             attrs["source"] = source
         return attrs
 
+    def node_name(self, node: torch.fx.Node) -> str:
+        """The Program name of the op or value a node makes."""
+        return node.name
+
     def call(self, node: torch.fx.Node) -> None:
         if node.target is operator.getitem:
             parent, index = node.args
             outputs = self.env[parent]
-            var = _var_from_value(node.name, node.meta["val"], VarKind.TEMP)
+            var = _var_from_value(self.node_name(node), node.meta["val"], VarKind.TEMP)
             self.block.add_var(var)
             outputs[index] = var.name
             self.env[node] = Ref(var.name)
@@ -140,13 +161,14 @@ class _Converter:
         if not isinstance(node.target, torch._ops.OpOverload):
             raise CaptureError(f"graph node {node.name} calls {node.target!r}, which is not an aten operator")
         value = node.meta.get("val")
-        op = Op(node.name, str(node.target), tuple(self.arg(a) for a in node.args),
+        name = self.node_name(node)
+        op = Op(name, str(node.target), tuple(self.arg(a) for a in node.args),
                 {k: self.arg(v) for k, v in node.kwargs.items()}, attrs=self.attrs(node))
         if isinstance(value, (tuple, list)):
             op.outputs = [None] * len(value)
             self.env[node] = op.outputs  # getitem nodes fill the slots they read
         else:
-            var = self.block.add_var(_var_from_value(node.name, value, VarKind.TEMP))
+            var = self.block.add_var(_var_from_value(name, value, VarKind.TEMP))
             op.outputs = [var.name]
             self.env[node] = Ref(var.name)
         if OpRole.FORWARD in op.role and node.meta.get("seq_nr") is not None:
@@ -154,17 +176,9 @@ class _Converter:
         self.block.ops.append(op)
 
     def flush_renames(self) -> None:
-        """Apply the renames `bind_result` queued, in one pass over the ops (one pass per name grew quadratically)."""
+        """Apply the renames `bind_result` queued."""
         mapping, self.renames = self.renames, {}
-        if not mapping:
-            return
-        for old, new in mapping.items():
-            var = self.block.vars.pop(old)
-            var.name = new
-            self.block.vars[new] = var
-        for op in self.block.ops:
-            op.rename_inputs(mapping)
-            op.outputs = [mapping.get(o, o) for o in op.outputs]
+        rename_temporaries(self.program, mapping)
 
     def bind_result(self, ref: Ref, wanted: str, module_path: str, role: OpRole) -> str:
         """Give the value `ref` the name `wanted`: rename its temporary (queued until `flush_renames`), or copy it
@@ -185,12 +199,15 @@ class _Converter:
         values = node.args[0]
         mutations: list[tuple[str, Ref]] = []
         grads: list[tuple[str, Ref]] = []
+        input_grads: list[tuple[str, Ref]] = []  # of step inputs the caller passed with requires_grad=True
         for desc, value in zip(descs, values):
             if isinstance(desc, PlainAOTOutput):
                 key = LOSS_VAR if self._has_tangent() else f"{OUTPUT_VAR}.{desc.idx}"
                 self.program.fetches[key] = self.bind_result(self.arg(value), key, "", OpRole.FORWARD)
             elif isinstance(desc, InputMutationAOTOutput):
                 mutations.append((self.name_of(desc.mutated_input.target), self.arg(value)))
+            elif isinstance(desc, GradAOTOutput) and value is not None and isinstance(desc.grad_of, PlainAOTInput):
+                input_grads.append((self.feed_names[desc.grad_of.idx], self.arg(value)))
             elif isinstance(desc, GradAOTOutput) and value is not None:
                 grads.append((self.name_of(desc.grad_of.target), self.arg(value)))
         self.flush_renames()
@@ -200,6 +217,9 @@ class _Converter:
         for param, ref in grads:
             name = self.bind_result(ref, grad_name(param), "", OpRole.BACKWARD)
             self.program.fetches[f"grad:{param}"] = name
+        for feed, ref in input_grads:
+            name = self.bind_result(ref, grad_name(feed), "", OpRole.BACKWARD)
+            self.program.fetches[f"{INPUT_GRAD_FETCH}{feed}"] = name
         self.flush_renames()
 
     def _has_tangent(self) -> bool:
@@ -265,3 +285,38 @@ def graph_to_program(gm: torch.fx.GraphModule, feed_names: list[str], *, wrapped
     `canonical` maps alias names of shared parameters/buffers to the one name the Program uses.
     """
     return _Converter(gm, feed_names, wrapped, loss_fn_given, canonical).run()
+
+
+class _Splicer(_Converter):
+    """Appends the ops of a functional aten graph (from make_fx) to an existing Program's global block."""
+
+    def __init__(self, program: Program, gm: torch.fx.GraphModule, inputs: list[Ref], prefix: str, attrs: dict):
+        super().__init__(gm, [], wrapped=False, loss_ops=False, canonical={})
+        self.program, self.block = program, program.global_block
+        self.inputs, self.prefix, self.fixed_attrs = list(inputs), prefix, attrs
+        self.results: list[Ref] = []
+
+    def node_name(self, node: torch.fx.Node) -> str:
+        return self.program.unique_name(f"{self.prefix}.{node.name}")
+
+    def attrs(self, node: torch.fx.Node) -> dict:
+        return dict(self.fixed_attrs)
+
+    def placeholder(self, node: torch.fx.Node) -> None:
+        self.env[node] = self.inputs.pop(0)
+
+    def output(self, node: torch.fx.Node) -> None:
+        outputs = node.args[0]
+        self.results = [self.arg(v) for v in (outputs if isinstance(outputs, (list, tuple)) else [outputs])]
+
+
+def splice_graph(program: Program, gm: torch.fx.GraphModule, inputs: list[Ref], *, prefix: str,
+                 attrs: dict) -> list[Ref]:
+    """Append `gm`'s ops (a functional aten graph whose placeholders read `inputs`, in order) to `program`, each
+    named `<prefix>.<node>` and stamped with `attrs`; returns the Refs of its outputs.
+
+    A node that is not an aten call (a tensor constant the function closed over) raises CaptureError.
+    """
+    splicer = _Splicer(program, gm, inputs, prefix, attrs)
+    splicer.run()
+    return splicer.results

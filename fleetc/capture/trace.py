@@ -57,7 +57,8 @@ _HINTS = (
 )
 
 
-def _user_location(exc: BaseException) -> str:
+def user_location(exc: BaseException) -> str:
+    """`file:line  (code)` of the innermost user frame in an exception's traceback."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if is_user_file(f.filename)]
     if not frames:
         return "an unknown location in the model"
@@ -76,7 +77,7 @@ def capture_error(exc: BaseException, step: str) -> CaptureError:
             break
     first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return CaptureError(
-        f"cannot capture the {step}: {construct} at {_user_location(exc)}\n"
+        f"cannot capture the {step}: {construct} at {user_location(exc)}\n"
         f"  torch said: {first_line[:300]}\n  hint: {hint}"
     )
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import socket
 from dataclasses import dataclass
@@ -55,19 +56,31 @@ def exchange_endpoints(role: Role) -> Role:
     return Role(role.rank, role.world_size, tuple(gathered))
 
 
-_timeout_s: float = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+_timeout_s: float | None = None  # set by fleet.init(timeout=...); else read from the environment when first needed
+
+
+def _positive_seconds(value: object, source: str) -> float:
+    try:
+        seconds = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise FleetcError(f"{source} must be a number of seconds, not {value!r}") from None
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise FleetcError(f"{source} must be a positive, finite number of seconds, not {value!r}")
+    return seconds
 
 
 def collective_timeout() -> datetime.timedelta:
-    """How long any collective wait may take before the job fails (FLEETC_COLLECTIVE_TIMEOUT or fleet.init)."""
-    return datetime.timedelta(seconds=_timeout_s)
+    """How long any collective wait may take before the job fails (fleet.init(timeout=...), else
+    FLEETC_COLLECTIVE_TIMEOUT, else 300 s); FleetcError naming the variable when it is not a positive number."""
+    if _timeout_s is not None:
+        return datetime.timedelta(seconds=_timeout_s)
+    return datetime.timedelta(seconds=_positive_seconds(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S),
+                                                        f"the environment variable {TIMEOUT_ENV}"))
 
 
 def set_collective_timeout(seconds: float) -> None:
     global _timeout_s
-    if seconds <= 0:
-        raise FleetcError(f"collective timeout must be positive, not {seconds}")
-    _timeout_s = float(seconds)
+    _timeout_s = _positive_seconds(seconds, "the collective timeout")
 
 
 def world_size() -> int:

@@ -32,20 +32,32 @@ def _digest(lines: list[str]) -> int:
     return int.from_bytes(hashlib.sha256("\n".join(lines).encode()).digest()[:8], "little", signed=True)
 
 
-def check_plans_agree(program: Program) -> None:
-    """Raise CollectiveError on every rank when any rank's collective plan differs from rank 0's."""
-    plan = collective_plan(program)
-    mine = torch.tensor([_digest(plan)], dtype=torch.int64)
-    gathered = torch.empty(dist.get_world_size(), dtype=torch.int64)
+def check_ranks_agree(label: str, facts: dict[str, list[str]], advice: str) -> None:
+    """Raise CollectiveError on every rank when any rank's `facts` (what → lines) differ from rank 0's.
+
+    One fixed-size gather of a digest per kind of fact, bounded by the collective timeout: cheap, and a rank
+    that is missing makes the others fail here (naming it), before anything could hang.
+    """
+    mine = torch.tensor([_digest(lines) for lines in facts.values()], dtype=torch.int64)
+    gathered = torch.empty(dist.get_world_size() * len(facts), dtype=torch.int64)
     timeout = collective_timeout()
     try:
         dist.all_gather_single(gathered, mine, async_op=True).wait(timeout)
     except RuntimeError as exc:
-        raise collective_failed("plan check (hash exchange before the first step)", exc,
-                                timeout.total_seconds()) from exc
-    differing = [r for r, h in enumerate(gathered.tolist()) if h != gathered[0].item()]
-    if differing:
-        raise CollectiveError(f"ranks would issue different collectives (gloo would abort): the plans of rank(s) "
-                              f"{differing} differ from rank 0's. Every rank must compile the same model, strategy "
-                              f"and input shapes. This rank ({dist.get_rank()}) plans {len(plan)} collective(s): "
-                              + "; ".join(plan[:5]) + (" …" if len(plan) > 5 else ""))
+        raise collective_failed(label, exc, timeout.total_seconds()) from exc
+    by_rank = gathered.view(dist.get_world_size(), len(facts)).tolist()
+    for column, (what, lines) in enumerate(facts.items()):
+        differing = [r for r, digests in enumerate(by_rank) if digests[column] != by_rank[0][column]]
+        if differing:
+            raise CollectiveError(f"ranks disagree on {what}: rank(s) {differing} differ from rank 0. {advice} "
+                                  f"This rank ({dist.get_rank()}) has {len(lines)} line(s): "
+                                  + "; ".join(lines[:5]) + (" …" if len(lines) > 5 else ""))
+
+
+def check_plans_agree(program: Program, settings: dict[str, list[str]] | None = None) -> None:
+    """Raise CollectiveError on every rank when any rank's collective plan (or `settings`, e.g. the optimizer's
+    hyperparameters) differs from rank 0's; gloo would abort the process, and differing settings diverge."""
+    facts = {"the collectives to issue (different collectives would abort gloo)": collective_plan(program),
+             **(settings or {})}
+    check_ranks_agree("plan check (hash exchange before the first step)", facts,
+                      "Every rank must compile the same model, strategy, optimizer settings and input shapes.")

@@ -7,11 +7,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fleetc.comm import env, groups
-from fleetc.comm.faults import collective_failed
+from fleetc.comm import env, groups, host
 from fleetc.errors import FleetcError
 from fleetc.compiler import CompiledTrainer
-from fleetc.fleet import checkpoint, export_sources, inference
+from fleetc.fleet import export_sources, inference
 from fleetc.fleet.optimizer import DistributedOptimizer
 from fleetc.fleet.role_maker import PaddleCloudRoleMaker
 from fleetc.fleet.trainer import DataParallelTrainer
@@ -67,13 +66,8 @@ class Fleet:
 
     def barrier_worker(self) -> None:
         """Every worker waits here for the others (bounded by the collective timeout)."""
-        if self._role().world_size == 1:
-            return
-        timeout = env.collective_timeout()
-        try:
-            dist.monitored_barrier(timeout=timeout, wait_all_ranks=True)
-        except RuntimeError as exc:
-            raise collective_failed("barrier_worker", exc, timeout.total_seconds()) from exc
+        self._role()
+        host.barrier("barrier_worker")
 
     def init_worker(self) -> None:
         """Nothing to prepare beyond `init` in collective mode (parameters are broadcast when the model is compiled)."""
@@ -113,15 +107,13 @@ class Fleet:
         return trainer
 
     def save_persistables(self, dirname: str, trainer: Any = None) -> None:
-        """The first worker writes parameters, buffers, optimizer state and counters (atomically); all wait for it."""
-        trainer = self._trainer(trainer)
-        if self.is_first_worker():
-            checkpoint.save(trainer, dirname)
-        self.barrier_worker()
+        """Every rank calls it: the first worker writes parameters, buffers, optimizer state, fleetc state and every
+        rank's RNG state as a new crash-safe version of the checkpoint (docs/checkpoints.md); all wait for it."""
+        self._trainer(trainer).save_checkpoint(dirname)
 
     def load_persistables(self, dirname: str, trainer: Any = None) -> None:
-        """Every rank restores what `save_persistables` wrote."""
-        checkpoint.load(self._trainer(trainer), dirname)
+        """Every rank restores what `save_persistables` wrote (all of it, or nothing and a CheckpointError)."""
+        self._trainer(trainer).load_checkpoint(dirname)
 
     def save_inference_model(self, executor: Any, dirname: str, feeded_var_names: str | list[str],
                              target_vars: str | list[str] | None, main_program: Any = None,

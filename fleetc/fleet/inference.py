@@ -158,8 +158,8 @@ def check_writable(dirname: str) -> None:
 
 def write_directory(dirname: str, writers: Mapping[str, Callable[[str], None]]) -> None:
     """Write every file into a temporary directory beside `dirname`, then rename it into place, so readers see the
-    old directory or the complete new one. (The checkpoints' write-then-rename; it moves to the shared crash-safe
-    commit when that lands.)"""
+    old directory or the complete new one. (Not the checkpoints' versioned commit: an export is a plain directory
+    that readers without fleetc open directly.)"""
     target = os.path.abspath(dirname)
     parent = os.path.dirname(target)
     temporary = os.path.join(parent, f".{os.path.basename(target)}.{os.getpid()}.{secrets.token_hex(4)}.tmp")

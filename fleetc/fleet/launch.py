@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 from typing import Any
 
 from fleetc.errors import CommandError
@@ -43,6 +44,8 @@ def torchrun_arguments(options: argparse.Namespace) -> list[str]:
         raise CommandError(f"--nproc_per_node must be at least 1, not {nproc}")
     if not os.path.isfile(options.script):
         raise CommandError(f"training script {options.script!r} does not exist")
+    if not 1 <= options.master_port <= 65535:
+        raise CommandError(f"--master_port {options.master_port} is not a TCP port (1 to 65535)")
     ips = [ip.strip() for ip in (options.ips or "").split(",") if ip.strip()]
     if len(ips) > 1:
         where = ["--nnodes", str(len(ips)), "--rdzv_backend", "c10d",
@@ -58,6 +61,12 @@ def run_command(options: argparse.Namespace) -> int:
     from torch.distributed.run import main as torchrun
 
     arguments = torchrun_arguments(options)
+    if "--rdzv_endpoint" in arguments:  # torchrun would retry an unknown host for minutes
+        host = arguments[arguments.index("--rdzv_endpoint") + 1].rpartition(":")[0]
+        try:
+            socket.getaddrinfo(host, options.master_port)
+        except (OSError, UnicodeError) as exc:
+            raise CommandError(f"cannot resolve the rendezvous host {host!r} (the first of --ips): {exc}") from None
     if options.gpus is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = options.gpus
     try:
@@ -65,4 +74,7 @@ def run_command(options: argparse.Namespace) -> int:
     except ChildFailedError as exc:
         print(f"fleetc run: {options.script} failed: {' '.join(str(exc).split())[:2000]}")
         return 1
+    except Exception as exc:  # torchrun failed before any process ran (rendezvous, bad host, …): one line
+        raise CommandError(f"torchrun could not start the job: {type(exc).__name__}: "
+                           f"{' '.join(str(exc).split())[:500]}") from None
     return 0

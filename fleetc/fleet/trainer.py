@@ -7,19 +7,40 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fleetc.comm import env, groups
+from fleetc.comm import env, groups, host
 from fleetc.comm.faults import collective_failed
 from fleetc.comm.mesh import resolve_mesh
-from fleetc.comm.plan import check_plans_agree
+from fleetc.comm.plan import check_plans_agree, check_ranks_agree
 from fleetc.compiler import CompiledStep, CompiledTrainer
+from fleetc.errors import CheckpointError
 from fleetc.ir.program import Program
 from fleetc.passes.manager import History
 from fleetc.passes.recompute import RecomputePolicy
 from fleetc.report import CompileReport
+from fleetc.runtime.checkpoint import TrainerState, load_checkpoint, rng_state, save_checkpoint
+from fleetc.runtime.step_cache import DEFAULT_CACHE_LIMIT
+
+
+def model_layout(model: nn.Module) -> list[str]:
+    """One line per parameter and buffer: name, shape and dtype (what every rank's model must agree on)."""
+    return [f"{name} {list(t.shape)} {t.dtype}" for name, t in [*model.named_parameters(), *model.named_buffers()]]
+
+
+def optimizer_settings(optimizer: torch.optim.Optimizer | None) -> list[str]:
+    """The optimizer's kind and every param group's hyperparameters and size: ranks that differ would diverge."""
+    if optimizer is None:
+        return ["no optimizer"]
+    return [type(optimizer).__name__] + [
+        f"group {i}: {len(group['params'])} params, " + ", ".join(f"{k}={group[k]!r}" for k in sorted(group)
+                                                                  if k != "params")
+        for i, group in enumerate(optimizer.param_groups)]
 
 
 def broadcast_state(model: nn.Module) -> None:
-    """Copy rank 0's parameters and buffers to every rank, so all ranks start from the same model."""
+    """Copy rank 0's parameters and buffers to every rank, so all ranks start from the same model (after checking
+    that every rank built the same layout: a broadcast of mismatched tensors would hang or abort)."""
+    check_ranks_agree("model check (before broadcasting rank 0's parameters)", {"the model": model_layout(model)},
+                      "Every rank must build the same model (same parameters and buffers, shapes and dtypes).")
     timeout = env.collective_timeout()
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         try:
@@ -39,10 +60,12 @@ class DataParallelTrainer(CompiledTrainer):
     def __init__(self, model: nn.Module, strategy: Any = None, *, optimizer: torch.optim.Optimizer | None = None,
                  loss_fn: Callable | None = None, measure_memory: bool = False, verify: bool = False,
                  disable_passes: Iterable[str] = (), print_after: str | None = None,
-                 recompute_policy: RecomputePolicy | None = None, cpu_kernels: str | None = None):
+                 recompute_policy: RecomputePolicy | None = None, cpu_kernels: str | None = None,
+                 on_guard_failure: str = "recompile", cache_limit: int = DEFAULT_CACHE_LIMIT):
         super().__init__(model, strategy, optimizer=optimizer, loss_fn=loss_fn, measure_memory=measure_memory,
                          verify=verify, disable_passes=disable_passes, print_after=print_after,
-                         recompute_policy=recompute_policy, cpu_kernels=cpu_kernels)
+                         recompute_policy=recompute_policy, cpu_kernels=cpu_kernels,
+                         on_guard_failure=on_guard_failure, cache_limit=cache_limit)
         self.world_size = env.world_size()
         self.mesh, mesh_notes = resolve_mesh(self.config, self.world_size)
         self.decisions += [f"process mesh {self.mesh}", *mesh_notes]
@@ -56,6 +79,40 @@ class DataParallelTrainer(CompiledTrainer):
     def _compile(self, kind: str, args: tuple, kwargs: dict) -> CompiledStep:
         compiled = super()._compile(kind, args, kwargs)
         if self.world_size > 1 and kind == "train":
-            groups.ensure_groups(compiled.program.metadata.get("collective_groups", {}))
-            check_plans_agree(compiled.program)
+            # The plan check first: a dead rank or a disagreement fails here, cleanly, before group creation waits.
+            check_plans_agree(compiled.program, {"the optimizer's settings": optimizer_settings(self.optimizer)})
+            try:
+                groups.ensure_groups(compiled.program.metadata.get("collective_groups", {}))
+            except (RuntimeError, dist.DistError) as exc:
+                raise collective_failed("process group creation", exc,
+                                        env.collective_timeout().total_seconds()) from exc
         return compiled
+
+    # ----- checkpointing: the first rank writes, every rank restores ------------------------
+    def _live_state(self) -> TrainerState:
+        return TrainerState(self.model, self.optimizer, self.counters, rank=env.rank())
+
+    def save_checkpoint(self, dirname: str) -> str:
+        """Every rank calls it: their RNG states are gathered, the first rank writes a new crash-safe version, and
+        all wait for it (CheckpointError on every rank when the write failed)."""
+        rng = host.gather_objects(rng_state(), "checkpoint (gathering RNG states)")
+        written, problem = "", None
+        if env.rank() == 0:
+            try:
+                written = save_checkpoint(dirname, self._live_state(), self.config, rng)
+            except (OSError, CheckpointError) as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+        outcome = host.gather_objects((written, problem), "checkpoint (waiting for the first rank's write)")[0]
+        if outcome[1] is not None:
+            raise CheckpointError(f"the first rank could not write checkpoint {dirname!r}: {outcome[1]}")
+        return outcome[0]
+
+    def load_checkpoint(self, dirname: str) -> str:
+        """Every rank checks the checkpoint; only when all found it fitting does each restore it (all or nothing,
+        on every rank)."""
+        def agree(problem: str | None) -> None:
+            problems = host.gather_objects(problem, "checkpoint (agreeing that it fits every rank)")
+            failed = [(rank, p) for rank, p in enumerate(problems) if p is not None]
+            if failed:
+                raise CheckpointError(f"checkpoint {dirname!r} does not fit rank {failed[0][0]}: {failed[0][1]}")
+        return load_checkpoint(dirname, self._live_state(), self.config, agree)

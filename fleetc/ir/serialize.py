@@ -16,6 +16,7 @@ import sympy
 import torch
 
 from fleetc.ir.program import Block, Op, Program, Ref, Var, VarKind
+from fleetc.ir.sym_parse import make_symbols, parse_sym
 
 FORMAT_VERSION = 2  # 2: fused_gemm_epilogue gained keep_pre_act
 _VERSION_KEY = "fleetc_program"
@@ -33,8 +34,8 @@ def _encode_sym(expr: sympy.Basic) -> dict:
 
 
 def _decode_sym(encoded: dict) -> sympy.Basic:
-    names = {name: sympy.Symbol(name, **kw) for name, kw in encoded.get("assumptions", {}).items()}
-    return sympy.sympify(encoded["$sym"], locals=names)
+    # Never sympy.sympify: it evaluates its input, and serialized Programs come from files others wrote.
+    return parse_sym(encoded["$sym"], make_symbols(encoded.get("assumptions", {})))
 
 
 def encode_value(value: Any, where: str) -> Any:

@@ -1,42 +1,238 @@
-"""Checkpoints of the state fleetc itself owns (counters, accumulators), saved beside the model's and optimizer's."""
+"""Trainer checkpoints: what they hold, how each file is checked against the trainer, and restoring all or nothing.
+
+A checkpoint directory (written through `checkpoint_commit`) holds three files:
+- `model.pt`: `model.state_dict()`;
+- `optimizer.pt`: `optimizer.state_dict()` (empty without an optimizer);
+- `fleetc.pt`: `CompiledTrainer.state_dict()`: fleetc-owned state (counters, accumulators), the strategy state it
+  belongs to (gradient merge, AMP), and the RNG state of every rank (so dropout continues the same stream).
+Loading reads and checks every file before it changes anything (keys, shapes, dtypes, the optimizer's kind and
+param groups, the strategy state); then it applies them, and puts the old state back should applying fail.
+"""
 from __future__ import annotations
 
-from collections.abc import Mapping
+import copy
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from fleetc.errors import CheckpointError
+from fleetc.ops.optimizer import MASTER_KEY
+from fleetc.runtime import checkpoint_commit
 
 STATE_KEY = "fleetc_owned"
+STRATEGY_KEY = "strategy_state"
+RNG_KEY = "rng"
+FILES = ("model.pt", "optimizer.pt", "fleetc.pt")
 
 
-def owned_state_dict(owned: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    """`{"fleetc_owned": {var name: tensor copy}}` for every fleetc-owned persistable bound so far."""
-    return {STATE_KEY: {name: tensor.detach().clone() for name, tensor in sorted(owned.items())}}
+def strategy_state(config: Any) -> dict[str, Any]:
+    """The strategy settings fleetc-owned state belongs to: a checkpoint only fits a trainer with the same."""
+    merge = config.gradient_merge and config.gradient_merge_configs.k_steps > 1
+    return {"gradient_merge": {"k_steps": config.gradient_merge_configs.k_steps,
+                               "avg": config.gradient_merge_configs.avg} if merge else None,
+            "amp": {"use_dynamic_loss_scaling": config.amp_configs.use_dynamic_loss_scaling,
+                    "use_pure_fp16": config.amp_configs.use_pure_fp16} if config.amp else None}
 
 
-def load_owned_state(owned: dict[str, torch.Tensor], state_dict: Mapping[str, Any]) -> None:
-    """Copy a checkpoint into `owned`: in place for state already bound, as new entries otherwise.
+def rng_state() -> dict[str, Any]:
+    """This process's random generators: torch's CPU generator and, once initialized, every CUDA device's (their
+    offsets are what fused dropout's Philox seeds/offsets are drawn from)."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    return {"cpu": torch.get_rng_state(), "cuda": list(cuda)}
 
-    Entries not bound yet are checked against the Program that binds them (StateBinding). State
-    already bound but absent from the checkpoint is an error: the run would resume half-restored.
-    """
-    entries = state_dict.get(STATE_KEY) if isinstance(state_dict, Mapping) else None
+
+def owned_state_dict(owned: Mapping[str, torch.Tensor], config: Any, rng: list[dict[str, Any]]) -> dict[str, Any]:
+    """fleetc.pt's content: copies of the fleetc-owned persistables, the strategy state, RNG states by rank."""
+    return {STATE_KEY: {name: tensor.detach().clone() for name, tensor in sorted(owned.items())},
+            STRATEGY_KEY: strategy_state(config), RNG_KEY: rng}
+
+
+def _describe(state: Any) -> str:
+    if isinstance(state, Mapping):
+        return f"a {type(state).__name__} with keys {sorted(map(str, state))[:8]}"
+    return f"a {type(state).__name__}"
+
+
+def check_owned_state(state: Any, owned: Mapping[str, torch.Tensor], config: Any, where: str) -> None:
+    """CheckpointError (naming `where`) unless `state` fits this trainer's fleetc-owned state and strategy."""
+    entries = state.get(STATE_KEY) if isinstance(state, Mapping) else None
     if not isinstance(entries, Mapping) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
                                                    for k, v in entries.items()):
-        raise CheckpointError(f"expected {{{STATE_KEY!r}: {{var name: tensor}}}} as returned by "
-                              f"CompiledTrainer.state_dict(), got {type(state_dict).__name__} "
-                              f"with keys {sorted(map(str, state_dict)) if isinstance(state_dict, Mapping) else '-'}")
+        raise CheckpointError(f"{where}: expected {{{STATE_KEY!r}: {{var name: tensor}}, …}} as returned by "
+                              f"CompiledTrainer.state_dict(), got {_describe(state)}")
+    saved_strategy = state.get(STRATEGY_KEY)
+    if saved_strategy is not None and saved_strategy != strategy_state(config):
+        raise CheckpointError(f"{where}: saved under strategy state {saved_strategy}, but this trainer runs "
+                              f"{strategy_state(config)}; fleetc-owned state (accumulators, loss scale) only fits "
+                              "the same gradient_merge and amp settings")
     missing = sorted(set(owned) - set(entries))
     if missing:
-        raise CheckpointError(f"the checkpoint lacks fleetc state {missing} that this trainer's compiled Programs use")
+        raise CheckpointError(f"{where}: lacks fleetc state {missing} that this trainer's compiled Programs use")
     for name, tensor in entries.items():
         current = owned.get(name)
-        if current is None:
-            owned[name] = tensor.detach().clone()
-        elif (current.shape, current.dtype) != (tensor.shape, tensor.dtype):
-            raise CheckpointError(f"checkpointed fleetc state {name!r} is {tensor.dtype}{list(tensor.shape)}, "
-                                  f"but this trainer holds {current.dtype}{list(current.shape)}")
-        else:
-            current.copy_(tensor)
+        if current is not None and (current.shape, current.dtype) != (tensor.shape, tensor.dtype):
+            raise CheckpointError(f"{where}: fleetc state {name!r} is {tensor.dtype}{list(tensor.shape)}, but this "
+                                  f"trainer holds {current.dtype}{list(current.shape)}")
+    rng = state.get(RNG_KEY, [])
+    if not isinstance(rng, list) or not all(isinstance(r, Mapping) and isinstance(r.get("cpu"), torch.Tensor)
+                                            for r in rng):
+        raise CheckpointError(f"{where}: {RNG_KEY!r} must be a list of per-rank RNG states, got {_describe(rng)}")
+
+
+def _dtype_kind(tensor: torch.Tensor) -> str:
+    if tensor.dtype == torch.bool:
+        return "bool"
+    return "floating point" if tensor.is_floating_point() else "complex" if tensor.is_complex() else "integer"
+
+
+def check_model_state(state: Any, model: nn.Module, where: str) -> None:
+    """CheckpointError unless `state` has exactly the model's keys, each with its shape and kind of dtype."""
+    live = model.state_dict()
+    if not isinstance(state, Mapping) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                 for k, v in state.items()):
+        raise CheckpointError(f"{where}: expected a model state_dict (name → tensor), got {_describe(state)}")
+    missing, unexpected = sorted(set(live) - set(state)), sorted(set(state) - set(live))
+    if missing or unexpected:
+        raise CheckpointError(f"{where}: does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for name, tensor in state.items():
+        mine = live[name]
+        if tensor.shape != mine.shape:
+            raise CheckpointError(f"{where}: {name!r} has shape {list(tensor.shape)}, the model's is "
+                                  f"{list(mine.shape)}")
+        # Precision may differ (amp use_pure_fp16 saves low-precision weights; loading casts, as torch does).
+        if _dtype_kind(tensor) != _dtype_kind(mine):
+            raise CheckpointError(f"{where}: {name!r} is {tensor.dtype}, the model's is {mine.dtype}")
+
+
+def check_optimizer_state(state: Any, optimizer: torch.optim.Optimizer | None, saved_kind: str | None,
+                          where: str) -> None:
+    """CheckpointError unless `state` is a state_dict of the same kind of optimizer over the same parameters."""
+    if optimizer is None:
+        if state:
+            raise CheckpointError(f"{where}: holds optimizer state, but this trainer has no optimizer")
+        return
+    kind = type(optimizer).__name__
+    if saved_kind is not None and saved_kind != kind:
+        raise CheckpointError(f"{where}: holds {saved_kind} state, but this trainer's optimizer is {kind}")
+    if not isinstance(state, Mapping) or not isinstance(state.get("param_groups"), list) \
+            or not isinstance(state.get("state"), Mapping):
+        raise CheckpointError(f"{where}: expected an optimizer state_dict ('state', 'param_groups'), "
+                              f"got {_describe(state)}")
+    live = optimizer.state_dict()["param_groups"]
+    groups = state["param_groups"]
+    if not all(isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in groups):
+        raise CheckpointError(f"{where}: every param group must be a mapping with a 'params' list")
+    if [len(g.get("params", ())) for g in groups] != [len(g["params"]) for g in live]:
+        raise CheckpointError(f"{where}: param groups of sizes {[len(g.get('params', ())) for g in groups]}, this "
+                              f"optimizer's are {[len(g['params']) for g in live]}")
+    for i, (saved, mine) in enumerate(zip(groups, live)):
+        if set(saved) != set(mine):
+            raise CheckpointError(f"{where}: param_groups[{i}] has settings {sorted(saved)}, this {kind} has "
+                                  f"{sorted(mine)} (a checkpoint of another kind of optimizer?)")
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, slots in state["state"].items():
+        if not isinstance(index, int) or not 0 <= index < len(params) or not isinstance(slots, Mapping):
+            raise CheckpointError(f"{where}: state entry {index!r} names no parameter of this optimizer")
+        for key, value in slots.items():
+            param = params[index]
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
+                raise CheckpointError(f"{where}: state {key!r} of parameter {index} has shape {list(value.shape)}, "
+                                      f"the parameter's is {list(param.shape)}")
+            if key == MASTER_KEY and param.dtype != torch.float32:
+                raise CheckpointError(f"{where}: holds float32 master weights, but the parameters are already "
+                                      f"{param.dtype} (amp use_pure_fp16 converted them at the first step): load "
+                                      "the checkpoint before the first step")
+
+
+@dataclass
+class TrainerState:
+    """The live state a checkpoint restores: the model, the optimizer, fleetc-owned state, this rank's RNG."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer | None
+    owned: dict[str, torch.Tensor]
+    rank: int = 0
+
+    def snapshot(self) -> tuple[dict, dict | None, dict[str, torch.Tensor], dict[str, Any]]:
+        """Copies of everything a restore may change: model, optimizer, owned state, RNG."""
+        return ({k: v.detach().clone() for k, v in self.model.state_dict().items()},
+                copy.deepcopy(self.optimizer.state_dict()) if self.optimizer is not None else None,
+                {k: v.detach().clone() for k, v in self.owned.items()}, rng_state())
+
+    def restore_owned(self, owned: Mapping[str, torch.Tensor], rng: Mapping[str, Any] | None) -> None:
+        """Put checked fleetc-owned tensors and (when saved) this rank's RNG state into the trainer."""
+        for name in set(self.owned) - set(owned):
+            del self.owned[name]  # only on rollback: entries a checkpoint added
+        for name, tensor in owned.items():
+            if name in self.owned:
+                self.owned[name].copy_(tensor)  # bound Programs hold these very tensors
+            else:
+                self.owned[name] = tensor.detach().clone()
+        if rng is not None:
+            torch.set_rng_state(rng["cpu"])
+            if rng.get("cuda") and torch.cuda.is_available() and len(rng["cuda"]) == torch.cuda.device_count():
+                torch.cuda.set_rng_state_all(rng["cuda"])
+
+    def rng_of_this_rank(self, owned_state: Mapping) -> Mapping[str, Any] | None:
+        """This rank's saved RNG state (None when the checkpoint holds none for it, e.g. a larger world now)."""
+        states = owned_state.get(RNG_KEY, [])
+        return states[self.rank] if self.rank < len(states) else None
+
+    def _apply(self, model: Mapping, optimizer: Mapping | None, owned: Mapping[str, torch.Tensor],
+               rng: Mapping[str, Any] | None) -> None:
+        self.model.load_state_dict(model)
+        if self.optimizer is not None and optimizer is not None:
+            self.optimizer.load_state_dict(optimizer)
+        self.restore_owned(owned, rng)
+
+    def restore_all_or_nothing(self, model: Mapping, optimizer: Mapping | None, owned_state: Mapping) -> None:
+        """Apply checked state; should torch still refuse part of it, put everything back as it was."""
+        before = self.snapshot()
+        try:
+            self._apply(model, optimizer, owned_state[STATE_KEY], self.rng_of_this_rank(owned_state))
+        except Exception as exc:
+            self._apply(*before)
+            raise CheckpointError(f"restoring the checkpoint failed, the trainer is unchanged: {exc}") from exc
+
+
+def save_checkpoint(root: str, state: TrainerState, config: Any, rng: list[dict[str, Any]]) -> str:
+    """Write a new version of the checkpoint at `root` (crash-safe); returns its directory."""
+    staged = checkpoint_commit.begin(root)
+    try:
+        staged.write("model.pt", state.model.state_dict())
+        staged.write("optimizer.pt", state.optimizer.state_dict() if state.optimizer is not None else {})
+        staged.write("fleetc.pt", owned_state_dict(state.owned, config, rng))
+        meta = {"optimizer": type(state.optimizer).__name__ if state.optimizer is not None else None,
+                "strategy_state": strategy_state(config)}
+        return staged.commit(meta)
+    except BaseException:
+        staged.abort()
+        raise
+
+
+def load_checkpoint(root: str, state: TrainerState, config: Any,
+                    agree: Callable[[str | None], None] | None = None) -> str:
+    """Check every file of the checkpoint at `root` against the trainer, then restore it all (or raise
+    CheckpointError and change nothing); returns the version directory read. `agree(problem or None)` runs
+    between checking and restoring: data parallel makes every rank agree there, so all restore or none does."""
+    checked, problem = None, None
+    try:
+        version = checkpoint_commit.open_latest(root, FILES)
+        model_state, optimizer_state, owned_state = (version.read(name) for name in FILES)
+        where = {name: f"{version.path}/{name}" for name in FILES}
+        check_model_state(model_state, state.model, where["model.pt"])
+        check_optimizer_state(optimizer_state, state.optimizer, version.meta.get("optimizer"),
+                              where["optimizer.pt"])
+        check_owned_state(owned_state, state.owned, config, where["fleetc.pt"])
+        checked = (model_state, optimizer_state if state.optimizer is not None else None, owned_state)
+    except CheckpointError as exc:
+        problem = exc
+    if agree is not None:
+        agree(None if problem is None else str(problem))
+    if problem is not None:
+        raise problem
+    state.restore_all_or_nothing(*checked)
+    return version.path

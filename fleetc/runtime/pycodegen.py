@@ -17,6 +17,12 @@ from fleetc.ir.registry import resolve_callable
 _SIMPLE = (bool, int, str, type(None))
 
 
+def _returns_list(kernel: Callable) -> bool:
+    """An aten op returning one Tensor[] (`_foreach_norm`): even a one-element result unpacks into its Var."""
+    schema = getattr(kernel, "_schema", None)
+    return schema is not None and len(schema.returns) == 1 and str(schema.returns[0].type) == "List[Tensor]"
+
+
 @dataclass
 class GeneratedStep:
     """The source of `step(state, feeds, mem)` and the globals it runs with."""
@@ -90,10 +96,11 @@ class _Emitter:
             if var is None or var.kind is VarKind.TEMP:
                 temps.append(self.local(name) if name else "_")
         call = ", ".join([self.expr(a) for a in op.args] + [f"{k}={self.expr(v)}" for k, v in op.kwargs.items()])
-        call = f"{self.kernel(op)}({call})"
+        kernel = self.kernel(op)
+        call = f"{kernel}({call})"
         if not temps:
             self.lines.append(f"{indent}{call}  # {op.name}")
-        elif len(op.outputs) == 1 and len(temps) == 1:
+        elif len(op.outputs) == 1 and len(temps) == 1 and not _returns_list(self.globals[kernel]):
             self.lines.append(f"{indent}{temps[0]} = {call}  # {op.name}")
         else:
             self.lines.append(f"{indent}{', '.join(temps)}, = {call}  # {op.name}")

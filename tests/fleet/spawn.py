@@ -52,7 +52,7 @@ class Job:
                 code = None
             path = self.out_dir / f"rank{rank}.pt"
             results.append(RankResult(rank, code, self.logs[rank].read_text(errors="replace"),
-                                      torch.load(path) if path.exists() else None))
+                                      torch.load(path, weights_only=True) if path.exists() else None))
         return results
 
 

@@ -82,7 +82,7 @@ def test_distributed_model_in_one_process_trains_like_eager(single_fleet, tmp_pa
     for name, value in model.state_dict().items():
         assert torch.equal(value, saved[name]), name
     assert float(opt.state_dict()["state"][0]["step"]) == 2.0
-    with pytest.raises(FileNotFoundError, match="not a fleetc checkpoint"):
+    with pytest.raises(fleetc.CheckpointError, match="not a fleetc checkpoint"):
         fleet.load_persistables(str(tmp_path))
 
 
@@ -113,6 +113,11 @@ def test_run_rejects_bad_input(capsys, tmp_path):
     (tmp_path / "t.py").write_text("")
     assert main(["run", "--gpus", "a,b", str(tmp_path / "t.py")]) == 2
     assert "--gpus" in capsys.readouterr().err
+    assert main(["run", "--ips", "a,b", "--master_port", "99999", str(tmp_path / "t.py")]) == 2
+    err = capsys.readouterr().err
+    assert "--master_port 99999 is not a TCP port" in err and err.count("\n") == 1
+    assert main(["run", "--ips", "no-such-host.invalid,b", str(tmp_path / "t.py")]) == 2
+    assert "cannot resolve the rendezvous host 'no-such-host.invalid'" in capsys.readouterr().err
 
 
 @pytest.mark.slow

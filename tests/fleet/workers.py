@@ -8,7 +8,7 @@ import time
 
 import torch
 from torch import nn
-from zoo import OPTIMIZERS, ZOO
+from zoo import MLP, OPTIMIZERS, ZOO
 
 import fleetc
 import fleetc.fleet as fleet
@@ -137,6 +137,54 @@ def export_inference(rank: int, args: dict, out_dir: str) -> None:
                "x": x, "eager": model(x).detach()}
     torch.save(outcome, os.path.join(out_dir, f"rank{rank}.pt"))
     fleet.stop_worker()
+
+
+def disagreements(rank: int, args: dict, out_dir: str) -> None:
+    """Ranks that built different models or optimizers refuse to start; a data-parallel checkpoint restores every
+    rank's own RNG state; a rank dying before its first step fails the other with a CollectiveError."""
+    fleet.init(is_collective=True)
+    entry = ZOO["mlp"]
+    batch = shard(global_batches("mlp", 1)[0], rank, fleet.worker_num())
+    outcome = {}
+    model = MLP(hidden=64 if rank == 0 else 96)
+    try:
+        fleetc.compile(model, optimizer=fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1)),
+                       loss_fn=entry.loss_fn)
+    except CollectiveError as exc:
+        outcome["model"] = str(exc)
+    model = MLP()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.0 if rank == 0 else 0.01)
+    trainer = fleetc.compile(model, optimizer=fleet.distributed_optimizer(optimizer), loss_fn=entry.loss_fn)
+    try:
+        trainer.step(*batch)
+    except CollectiveError as exc:
+        outcome["optimizer"] = str(exc)
+
+    torch.manual_seed(100 + rank)  # each rank its own dropout stream
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.5), nn.Linear(64, 10))
+    optimizer = fleet.distributed_optimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
+    trainer = fleet.distributed_model(model, loss_fn=entry.loss_fn)
+    trainer.step(*batch)
+    fleet.save_persistables(os.path.join(out_dir, "ckpt"))
+    first = [trainer.step(*batch) for _ in range(2)]
+    fleet.load_persistables(os.path.join(out_dir, "ckpt"))
+    again = [trainer.step(*batch) for _ in range(2)]
+    outcome["resumed"] = (first, again)
+    outcome["versions"] = sorted(os.listdir(os.path.join(out_dir, "ckpt")))
+
+    dying = nn.Linear(32, 10)
+    trainer = fleetc.compile(dying, optimizer=fleet.distributed_optimizer(torch.optim.SGD(dying.parameters(), lr=0.1)),
+                             loss_fn=entry.loss_fn)
+    torch.save(outcome, os.path.join(out_dir, f"rank{rank}.pt"))
+    if rank == 1:
+        os._exit(3)  # dies before its first step
+    try:
+        trainer.step(*batch)
+        outcome["after_death"] = "completed"
+    except CollectiveError as exc:
+        outcome["after_death"] = str(exc)
+    torch.save(outcome, os.path.join(out_dir, f"rank{rank}.pt"))
+    os._exit(0)  # the process group is broken; skip its teardown
 
 
 if __name__ == "__main__":

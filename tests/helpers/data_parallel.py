@@ -72,7 +72,7 @@ def one_rank_transport(monkeypatch):
 
     monkeypatch.setitem(registry._REGISTRY, START, dataclasses.replace(registry.op_def(START), reference=start))
     monkeypatch.setattr(dp_trainer.groups, "ensure_groups", lambda partitions: None)
-    monkeypatch.setattr(dp_trainer, "check_plans_agree", lambda program: None)
+    monkeypatch.setattr(dp_trainer, "check_plans_agree", lambda program, settings=None: None)
     return issued
 
 

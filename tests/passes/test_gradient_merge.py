@@ -112,7 +112,7 @@ def test_resume_mid_accumulation_matches_an_uninterrupted_run(optimizer_name):
 
     def resumed(load_fleetc_state: bool) -> torch.nn.Module:
         buffer.seek(0)
-        checkpoint = torch.load(buffer)
+        checkpoint = torch.load(buffer, weights_only=True)
         torch.manual_seed(123)  # different initial weights: everything must come from the checkpoint
         fresh = ZOO["mlp"].make_model()
         fresh.load_state_dict(checkpoint["model"])
@@ -159,7 +159,7 @@ def test_k_steps_1_is_switched_off_and_reported():
     assert ("gradient_merge: switched off (gradient_merge_configs.k_steps is 1, so there is nothing to merge)"
             in report.decisions)
     assert "gradient_merge" in str(report) and "gradient_merge" not in trainer.history.names()
-    assert len(trainer.program.blocks) == 1 and trainer.state_dict() == {"fleetc_owned": {}}
+    assert len(trainer.program.blocks) == 1 and trainer.state_dict()["fleetc_owned"] == {}
 
 
 def test_without_optimizer_the_pass_says_why_it_did_nothing():
