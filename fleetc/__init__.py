@@ -20,6 +20,7 @@ from fleetc.errors import (
 )
 from fleetc.fleet.inference import load_inference_model
 from fleetc.ir.program import Block, Op, OpRole, Program, Var, VarKind
+from fleetc.passes.optimizers import ClipGradByGlobalNorm, ClipGradByNorm, ClipGradByValue
 from fleetc.report import CompileReport
 from fleetc.strategy import (
     BuildStrategy,
@@ -31,8 +32,9 @@ from fleetc.strategy import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "Block", "BuildStrategy", "CaptureError", "CheckpointError", "CollectiveError", "CompileReport",
-    "CompiledTrainer", "DistributedStrategy", "ExecutionStrategy", "ExportError", "FleetcError", "GuardError", "Op",
-    "OpRole", "PassError", "Program", "ProgramParseError", "Strategy", "StrategyError", "UnsupportedOptimizerError",
-    "Var", "VarKind", "VerificationError", "compile", "device_guard", "load_inference_model",
+    "Block", "BuildStrategy", "CaptureError", "CheckpointError", "ClipGradByGlobalNorm", "ClipGradByNorm",
+    "ClipGradByValue", "CollectiveError", "CompileReport", "CompiledTrainer", "DistributedStrategy",
+    "ExecutionStrategy", "ExportError", "FleetcError", "GuardError", "Op", "OpRole", "PassError", "Program",
+    "ProgramParseError", "Strategy", "StrategyError", "UnsupportedOptimizerError", "Var", "VarKind",
+    "VerificationError", "compile", "device_guard", "load_inference_model",
 ]

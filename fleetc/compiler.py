@@ -12,21 +12,21 @@ from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from fleetc.capture import (
+    OptimizerSignature,
     capture_eval_program,
     capture_train_program,
-    optimizer_signature,
-    param_names,
 )
 from fleetc.capture.hooks import optimizer_step_hooks, run_step_hooks
 from fleetc.capture.to_program import INPUT_GRAD_FETCH
 from fleetc.codegen.cpu.backend import resolve_mode
-from fleetc.errors import CaptureError, PassError
+from fleetc.errors import CaptureError, PassError, StrategyError
 from fleetc.ir.liveness import estimate_memory
 from fleetc.ir.program import Program
 from fleetc.ir.verifier import verify
 from fleetc.passes.base import PassReport
 from fleetc.passes.instruments import PassInstrument, PrintInstrument, VerifyInstrument
 from fleetc.passes.manager import History, PassManager, PassRecord
+from fleetc.passes.optimizers import GradClip
 from fleetc.passes.order import (
     all_pass_names,
     ordered_passes,
@@ -46,6 +46,7 @@ from fleetc.runtime.checkpoint import (
 )
 from fleetc.runtime.executor import Executable
 from fleetc.runtime.guards import GuardCheck, input_key, observe_guards
+from fleetc.runtime.hyperparameters import HyperparameterFeeds
 from fleetc.runtime.state import StateBinding
 from fleetc.runtime.step_cache import DEFAULT_CACHE_LIMIT, StepCache
 from fleetc.strategy import resolve_conflicts, resolve_strategy
@@ -75,7 +76,7 @@ class CompiledStep:
     guards: GuardCheck
     tensor_positions: list[int]  # which leaves of (args, kwargs) are fed; the others are baked in
     out_spec: TreeSpec | None = None
-    momentum_probes: tuple = ()  # per param group: (feeds "fresh"?, a param whose missing buffer means fresh)
+    hyper_feeds: HyperparameterFeeds | None = None  # the optimizer's values the Program is fed every step
     post_hooked: list = ()  # without an optimizer: (name, param) of params with post-accumulate-grad hooks
 
 
@@ -98,11 +99,16 @@ class CompiledTrainer:
     def __init__(self, model: nn.Module, strategy: Any = None, *, optimizer: torch.optim.Optimizer | None = None,
                  loss_fn: Callable | None = None, measure_memory: bool = False, verify: bool = False,
                  disable_passes: Iterable[str] = (), print_after: str | None = None,
-                 recompute_policy: RecomputePolicy | None = None, cpu_kernels: str | None = None,
-                 on_guard_failure: str = "recompile", cache_limit: int = DEFAULT_CACHE_LIMIT):
+                 recompute_policy: RecomputePolicy | None = None, grad_clip: GradClip | None = None,
+                 cpu_kernels: str | None = None, on_guard_failure: str = "recompile",
+                 cache_limit: int = DEFAULT_CACHE_LIMIT):
         self.model = model
         self.cpu_kernels = resolve_mode(cpu_kernels)
         self.recompute_policy = recompute_policy
+        if grad_clip is not None and optimizer is None:
+            raise StrategyError("grad_clip clips the gradients the optimizer update reads, but optimizer=None "
+                                "(gradients go to p.grad): pass an optimizer, or clip p.grad yourself")
+        self.grad_clip = grad_clip
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.measure_memory = measure_memory
@@ -121,6 +127,7 @@ class CompiledTrainer:
         self._steps = 0
         self._last_train: CompiledStep | None = None
         self._last_eval: CompiledStep | None = None
+        self._optimizer_signature = OptimizerSignature()
 
     # ----- compiling -------------------------------------------------------------------------
     def _instruments(self) -> list[PassInstrument]:
@@ -135,7 +142,7 @@ class CompiledTrainer:
             verify(program, after_pass="capture")
         capture_report = PassReport("capture", changed=True, stats={"ops": program.num_ops()})
         history = History([PassRecord("capture", program, capture_report, capture_seconds, estimate_memory(program))])
-        passes = ordered_passes(self.config, recompute_policy=self.recompute_policy)
+        passes = ordered_passes(self.config, recompute_policy=self.recompute_policy, grad_clip=self.grad_clip)
         manager = PassManager(passes, self._instruments(), self.disable_passes)
         final = manager.run(program, self.config, history)
         report = CompileReport(decisions=list(self.decisions), ops_before=program.num_ops(), ops_after=final.num_ops())
@@ -176,43 +183,26 @@ class CompiledTrainer:
                        if accumulates and getattr(p, "_post_accumulate_grad_hooks", None)]
         return CompiledStep(final, history, executable, binding, report, GuardCheck(record, self.model, self.optimizer),
                             [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)], out_spec,
-                            self._momentum_probes(final), post_hooked)
+                            HyperparameterFeeds(final, self.model, self.optimizer), post_hooked)
+
+    def _key(self, kind: str, leaves: list, spec: TreeSpec) -> tuple:
+        key: tuple = (("inputs", input_key(leaves, spec)),)
+        if kind == "train" and self.optimizer is not None:
+            key += self._optimizer_signature(self.optimizer)
+        return key
 
     def _lookup(self, kind: str, args: tuple, kwargs: dict) -> tuple[CompiledStep, list]:
         leaves, spec = tree_flatten((args, kwargs))
-        key: tuple = (("inputs", input_key(leaves, spec)),)
-        if kind == "train" and self.optimizer is not None:
-            key += (("the optimizer's hyperparameters or param group sizes", optimizer_signature(self.optimizer)),)
-        compiled, reason = self._cache.lookup(kind, key)
+        compiled, reason = self._cache.lookup(kind, self._key(kind, leaves, spec))
         if compiled is None:
             with CompileProgress(f"fleetc: compiling the {kind} step"), _gc_paused():
                 compiled = self._compile(kind, args, kwargs)
-            self._cache.add(kind, key, compiled, reason, self._steps)
+            # The key holds the signs of the hyperparameters an update branches on, learned from the capture.
+            self._optimizer_signature.learn(compiled.program)
+            self._cache.add(kind, self._key(kind, leaves, spec), compiled, reason, self._steps)
         return compiled, leaves
 
     # ----- running ---------------------------------------------------------------------------
-    def _momentum_probes(self, program: Program) -> tuple:
-        meta = program.metadata.get("optimizer")
-        if meta is None:
-            return ()
-        names = param_names(self.model)
-        probes = []
-        for group, group_meta in zip(self.optimizer.param_groups, meta["groups"]):
-            stateful = [p for p in group["params"] if program.find_var(f"{names[id(p)]}@momentum_buffer")]
-            probes.append((group_meta["momentum_fresh"] is not None, stateful[0] if stateful else None))
-        return tuple(probes)
-
-    def _hyper_feeds(self, compiled: CompiledStep) -> list:
-        """Per param group, in the order capture declared them: lr, then (SGD momentum) whether state is fresh."""
-        if self.optimizer is None:
-            return []
-        feeds = []
-        for group, (feeds_fresh, probe) in zip(self.optimizer.param_groups, compiled.momentum_probes):
-            feeds.append(float(group["lr"]))
-            if feeds_fresh:
-                feeds.append(probe is None or "momentum_buffer" not in self.optimizer.state[probe])
-        return feeds
-
     def _updates_this_step(self, compiled: CompiledStep) -> bool:
         """Whether this step runs the optimizer update (under gradient merge, every k-th step only)."""
         merge = compiled.program.metadata.get("gradient_merge")
@@ -247,10 +237,12 @@ class CompiledTrainer:
         self._last_train = compiled
         self._refuse_accumulating_post_hooks(compiled)
         tensors = [leaves[i] for i in compiled.tensor_positions]
-        feeds = tensors + self._hyper_feeds(compiled)  # before resolve(), which creates missing optimizer state
+        feeds = tensors + compiled.hyper_feeds.values()  # before resolve(), which creates missing optimizer state
         with self._optimizer_step_hooks(compiled):
             out = compiled.executable.run(compiled.binding.resolve(), feeds)
         self._store_grads(compiled.program, out, tensors)
+        if self.optimizer is not None:
+            self.optimizer._opt_called = True  # what optimizer.step() tells LR schedulers (no call-order warning)
         return out["loss"]
 
     def _store_grads(self, program: Program, out: dict[str, Any], inputs: list[torch.Tensor]) -> None:
@@ -346,23 +338,26 @@ class CompiledTrainer:
 def compile(model: nn.Module, strategy: Any = None, *, optimizer: torch.optim.Optimizer | None = None,
             loss_fn: Callable | None = None, measure_memory: bool = False, verify: bool = False,
             disable_passes: Iterable[str] = (), print_after: str | None = None,
-            recompute_policy: RecomputePolicy | None = None, cpu_kernels: str | None = None,
-            on_guard_failure: str = "recompile", cache_limit: int = DEFAULT_CACHE_LIMIT) -> CompiledTrainer:
+            recompute_policy: RecomputePolicy | None = None, grad_clip: GradClip | None = None,
+            cpu_kernels: str | None = None, on_guard_failure: str = "recompile",
+            cache_limit: int = DEFAULT_CACHE_LIMIT) -> CompiledTrainer:
     """Compile `model`'s training step under `strategy` (any fleetc strategy object, or None for defaults).
 
     Compilation is lazy: the first `step(*inputs)` captures and compiles for that input signature.
     `verify=True` runs the IR verifier after every pass; `disable_passes` names passes to skip;
     `print_after` is None, "all" or "change"; `recompute_policy` replaces the default RecomputePolicy;
-    `cpu_kernels` ("off", "background", "sync"; default $FLEETC_CPU_KERNELS, else "off") runs fused ops on CPU
-    tensors as generated C++ kernels, built in the background or before the first step (docs/cpu_backend.md). An
+    `grad_clip` (fleetc.ClipGradByGlobalNorm / ClipGradByNorm / ClipGradByValue) clips the gradients inside the
+    step, before the update; `cpu_kernels` ("off", "background", "sync"; default $FLEETC_CPU_KERNELS, else "off")
+    runs fused ops on CPU tensors as generated C++ kernels, built in the background or before the first step
+    (docs/cpu_backend.md). An
     optimizer from `fleet.distributed_optimizer` gives a data-parallel trainer (its strategy applies when
     `strategy` is None). When something a compiled step assumed changes (see docs/guards.md), the step recompiles
     (`on_guard_failure="recompile"`, logged in `report().recompiles`) or raises GuardError (`"error"`); at most
     `cache_limit` Programs per step kind are kept.
     """
     options = dict(loss_fn=loss_fn, measure_memory=measure_memory, verify=verify, disable_passes=disable_passes,
-                   print_after=print_after, recompute_policy=recompute_policy, cpu_kernels=cpu_kernels,
-                   on_guard_failure=on_guard_failure, cache_limit=cache_limit)
+                   print_after=print_after, recompute_policy=recompute_policy, grad_clip=grad_clip,
+                   cpu_kernels=cpu_kernels, on_guard_failure=on_guard_failure, cache_limit=cache_limit)
     # An optimizer from fleet.distributed_optimizer builds its own (data-parallel) trainer: fleet sits above the
     # compiler and supplies it, so the compiler never imports the Fleet API.
     compile_trainer = getattr(optimizer, "compile_trainer", None)

@@ -39,7 +39,7 @@ def mlp_with_strategy() -> dict:
 def unsupported_optimizer() -> dict:
     """Compiling fails with a FleetcError (UnsupportedOptimizerError)."""
     spec = _mlp_step()
-    return {**spec, "optimizer": torch.optim.RMSprop(spec["model"].parameters())}
+    return {**spec, "optimizer": torch.optim.LBFGS(spec["model"].parameters())}
 
 
 def misspelt_key() -> dict:

@@ -52,16 +52,19 @@ class SideBySide:
         assert any(not torch.equal(compiled_state[k], v) for k, v in self.initial_state.items()), "nothing trained"
 
 
-def run_side_by_side(zoo_name: str, optimizer_name: str, steps: int = 3, strategy=None,
+def run_side_by_side(zoo_name: str, optimizer_name, steps: int = 3, strategy=None,
                      **compile_kwargs) -> SideBySide:
-    """Train a model eagerly and a copy compiled for `steps` steps on the same batches and RNG seeds."""
+    """Train a model eagerly and a copy compiled for `steps` steps on the same batches and RNG seeds.
+
+    `optimizer_name` names one of the zoo's OPTIMIZERS, or is a factory `params -> optimizer`."""
     entry = ZOO[zoo_name]
+    make_optimizer = optimizer_name if callable(optimizer_name) else OPTIMIZERS[optimizer_name]
     torch.manual_seed(0)
     eager_model = entry.make_model()
     compiled_model = copy.deepcopy(eager_model)
     initial_state = copy.deepcopy(eager_model.state_dict())
-    eager_opt = OPTIMIZERS[optimizer_name](eager_model.parameters())
-    compiled_opt = OPTIMIZERS[optimizer_name](compiled_model.parameters())
+    eager_opt = make_optimizer(eager_model.parameters())
+    compiled_opt = make_optimizer(compiled_model.parameters())
     trainer = fleetc.compile(compiled_model, strategy, optimizer=compiled_opt, loss_fn=entry.loss_fn, verify=True,
                              **compile_kwargs)
     g = torch.Generator().manual_seed(1)

@@ -11,7 +11,7 @@ from torch.utils._pytree import TreeSpec, keystr, tree_flatten_with_path
 
 from fleetc.capture.attribute_reads import recording_attribute_reads
 from fleetc.capture.hooks import refuse_untraceable_hooks, trace_gradient_hooks
-from fleetc.capture.optimizer import lower_optimizer, optimizer_signature
+from fleetc.capture.optimizer import OptimizerSignature, lower_optimizer
 from fleetc.capture.step_module import EvalStep, StepInputs, TrainStep, split_step_args
 from fleetc.capture.to_program import graph_to_program
 from fleetc.capture.trace import trace_step
@@ -104,5 +104,5 @@ def capture_eval_program(model: nn.Module, args: tuple, kwargs: dict[str, Any]) 
     return program, out_spec
 
 
-__all__ = ["StepInputs", "capture_train_program", "capture_eval_program", "optimizer_signature", "split_step_args",
+__all__ = ["OptimizerSignature", "StepInputs", "capture_train_program", "capture_eval_program", "split_step_args",
            "param_names"]

@@ -15,6 +15,7 @@ from fleetc.compiler import CompiledStep, CompiledTrainer
 from fleetc.errors import CheckpointError
 from fleetc.ir.program import Program
 from fleetc.passes.manager import History
+from fleetc.passes.optimizers import GradClip
 from fleetc.passes.recompute import RecomputePolicy
 from fleetc.report import CompileReport
 from fleetc.runtime.checkpoint import TrainerState, load_checkpoint, rng_state, save_checkpoint
@@ -60,11 +61,12 @@ class DataParallelTrainer(CompiledTrainer):
     def __init__(self, model: nn.Module, strategy: Any = None, *, optimizer: torch.optim.Optimizer | None = None,
                  loss_fn: Callable | None = None, measure_memory: bool = False, verify: bool = False,
                  disable_passes: Iterable[str] = (), print_after: str | None = None,
-                 recompute_policy: RecomputePolicy | None = None, cpu_kernels: str | None = None,
-                 on_guard_failure: str = "recompile", cache_limit: int = DEFAULT_CACHE_LIMIT):
+                 recompute_policy: RecomputePolicy | None = None, grad_clip: GradClip | None = None,
+                 cpu_kernels: str | None = None, on_guard_failure: str = "recompile",
+                 cache_limit: int = DEFAULT_CACHE_LIMIT):
         super().__init__(model, strategy, optimizer=optimizer, loss_fn=loss_fn, measure_memory=measure_memory,
                          verify=verify, disable_passes=disable_passes, print_after=print_after,
-                         recompute_policy=recompute_policy, cpu_kernels=cpu_kernels,
+                         recompute_policy=recompute_policy, grad_clip=grad_clip, cpu_kernels=cpu_kernels,
                          on_guard_failure=on_guard_failure, cache_limit=cache_limit)
         self.world_size = env.world_size()
         self.mesh, mesh_notes = resolve_mesh(self.config, self.world_size)

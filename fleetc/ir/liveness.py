@@ -62,6 +62,26 @@ def aliased_input(op: Op, output_index: int) -> str | None:
     return getattr(op.args[where], "name", None)
 
 
+@functools.lru_cache(maxsize=None)
+def written_arguments(op_type: str) -> tuple[tuple[int, str, bool], ...]:
+    """(position, name, keyword-only) of each argument an aten op type writes in place (`add_`'s self, `out=`),
+    per its schema; empty for functional ops and fleetc ops."""
+    if not op_type.startswith("aten."):
+        return ()
+    schema = resolve_callable(op_type)._schema
+    return tuple((i, a.name, a.kwarg_only) for i, a in enumerate(schema.arguments)
+                 if a.alias_info is not None and a.alias_info.is_write)
+
+
+def mutated_inputs(op: Op) -> list[str]:
+    """The Vars an aten op writes in place (its schema's written arguments)."""
+    names = []
+    for position, name, keyword in written_arguments(op.type):
+        value = op.kwargs.get(name) if keyword or position >= len(op.args) else op.args[position]
+        names += [value.name] if hasattr(value, "name") else []
+    return names
+
+
 def last_use_index(program: Program, block: Block, keep: set[str]) -> dict[str, int]:
     """For every temporary defined or read in `block`, the index of the op after which it is dead.
 

@@ -2,7 +2,8 @@
 
 Invariants: every read Var is defined before use (persistables and feeds are always defined; a
 sub-block sees its parent's Vars defined before the owning op); one definer per temporary; op types
-resolve; aten ops write only temporaries, and their outputs' shapes and dtypes match what the op
+resolve; aten ops write only temporaries, or a persistable their schema updates in place (a traced
+optimizer update's `exp_avg.lerp_(...)`), and their outputs' shapes and dtypes match what the op
 computes (checked on fake tensors); sub-block references are valid, each sub-block has exactly one
 owner, a conditional_block with one bool condition; within a block no optimize op comes before the
 last backward op that feeds it.
@@ -15,7 +16,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fleetc.errors import VerificationError
-from fleetc.ir.liveness import block_reads
+from fleetc.ir.liveness import block_reads, mutated_inputs
 from fleetc.ir.printer import format_op
 from fleetc.ir.program import (
     CONDITIONAL_BLOCK,
@@ -144,9 +145,9 @@ def _verify_block(program: Program, block: Block, defined: set[str], definer: di
                 definer[name] = op.name
             elif var.kind in FED_KINDS:
                 raise _fail(program, block, i, f"writes the fed Var {name!r}", after_pass)
-            elif op.type.startswith("aten."):
-                raise _fail(program, block, i, f"aten op writes the persistable {name!r}; use fleetc.assign",
-                            after_pass)
+            elif op.type.startswith("aten.") and name not in mutated_inputs(op):
+                raise _fail(program, block, i, f"aten op writes the persistable {name!r}, but its schema writes no "
+                            "such argument; update it in place (`add_`, `out=`) or use fleetc.assign", after_pass)
         if OpRole.OPTIMIZE in op.role:
             for name in block_reads(program, op):  # a conditional_block reads what its sub-block reads
                 if last_backward_writer.get(name, -1) > i:

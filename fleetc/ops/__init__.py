@@ -9,14 +9,18 @@ from fleetc.ir.registry import (
 from fleetc.ops import (  # noqa: F401  (registers the ops)
     accumulate,
     amp,
+    clip,
     dropout_philox,
     fused_add_act,
     fused_elementwise,
     fused_gemm,
     fused_norm,
     fused_optimizer,
+    layerwise,
+    local_sgd,
     optimizer,
     recompute,
+    scalar,
     state,
 )
 

@@ -14,7 +14,7 @@ from fleetc.ir.registry import register_op
 
 @register_op("fused_sgd", "SGD (momentum, dampening, nesterov, weight decay) for a list of parameters at once",
              cpu_kernel="fleetc.codegen.cpu.optimizer:plan_fused_sgd")
-def fused_sgd(params: list, grads: list, momentum_buffers: list | None, lr: float, fresh: bool, momentum: float,
+def fused_sgd(params: list, grads: list, momentum_buffers: list | None, fresh: list, lr: float, momentum: float,
               dampening: float, nesterov: bool, weight_decay: float, maximize: bool) -> None:
     """aten, per parameter (as fleetc.sgd): `g = -g` (maximize); `g = g + wd * p`; `buf = g` (fresh) or
     `buf = momentum * buf + (1 - dampening) * g`; `g = g + momentum * buf` (nesterov) or `g = buf`; `p -= lr * g`."""
@@ -23,11 +23,14 @@ def fused_sgd(params: list, grads: list, momentum_buffers: list | None, lr: floa
     if weight_decay != 0:
         grads = torch._foreach_add(grads, params, alpha=weight_decay)
     if momentum != 0:
-        if fresh:
-            torch._foreach_copy_(momentum_buffers, grads)
-        else:
-            torch._foreach_mul_(momentum_buffers, momentum)
-            torch._foreach_add_(momentum_buffers, grads, alpha=1 - dampening)
+        new = [i for i, is_fresh in enumerate(fresh) if is_fresh]
+        old = [i for i, is_fresh in enumerate(fresh) if not is_fresh]
+        if new:
+            torch._foreach_copy_([momentum_buffers[i] for i in new], [grads[i] for i in new])
+        if old:
+            old_buffers = [momentum_buffers[i] for i in old]
+            torch._foreach_mul_(old_buffers, momentum)
+            torch._foreach_add_(old_buffers, [grads[i] for i in old], alpha=1 - dampening)
         grads = torch._foreach_add(grads, momentum_buffers, alpha=momentum) if nesterov else momentum_buffers
     torch._foreach_add_(params, grads, alpha=-lr)
 

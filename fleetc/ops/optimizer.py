@@ -1,7 +1,7 @@
 """Per-parameter optimizer updates (role optimize), matching torch.optim's single-tensor code paths.
 
-Each op updates the parameter and its state tensors in place; hyperparameters that may change
-between steps (the learning rate) arrive as host scalars, the rest as constant arguments.
+Each op updates the parameter and its state tensors in place; hyperparameters arrive as host scalars
+fed every step (or the constant 0.0 when zero), the on/off options (nesterov, maximize) as constants.
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ def sgd(
     param: torch.Tensor,
     grad: torch.Tensor,
     momentum_buffer: torch.Tensor | None,
-    lr: float,
     fresh: bool,
+    lr: float,
     momentum: float,
     dampening: float,
     nesterov: bool,

@@ -82,14 +82,14 @@ def _merged_inputs(program: Program, block: Block, update: set[int]) -> list[str
 
 
 def _latched_feeds(program: Program, block: Block, update: set[int]) -> list[str]:
-    """Fed "momentum buffer is fresh" flags the update reads.
+    """Fed "momentum buffer is fresh" flags (one per parameter) the update reads.
 
     The runtime feeds True while torch.optim would find no momentum buffer, but fleetc creates the
     buffer on the first micro-step: by the k-th the flag reads False although no update ran yet.
     A latch remembers the flag until the update has consumed it.
     """
-    groups = program.metadata.get("optimizer", {}).get("groups", ())
-    flags = [g["momentum_fresh"] for g in groups if g.get("momentum_fresh")]
+    feeds = program.metadata.get("optimizer", {}).get("feeds", ())
+    flags = [feed["var"] for feed in feeds if "absent" in feed]
     return [f for f in flags if any(f in block_reads(program, block.ops[i]) for i in update)]
 
 

@@ -1,8 +1,9 @@
 """The pass order: the passes a strategy asks for, built in one readable place, in a fixed documented order.
 
-Order (DESIGN.md): AMP → recompute → fusion → gradient merge → allreduce → sharding → pipeline split
-→ optimizer fusion → DCE → memory planning. Passes not built yet are listed in
-`strategy_requests_without_pass`, so a flag that is on never goes silently unheeded.
+Order (DESIGN.md): gradient clipping and LARS/LAMB (they define the optimize section) → AMP → recompute
+→ fusion → gradient merge → local SGD / allreduce → sharding → pipeline split → optimizer fusion → DCE
+→ memory planning. Passes not built yet are listed in `strategy_requests_without_pass`, so a flag that
+is on never goes silently unheeded.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from fleetc.passes.fusion import (
     FuseOptimizerOps,
 )
 from fleetc.passes.gradient_merge import GradientMerge
+from fleetc.passes.optimizers import AdaptiveLocalSGD, GradClip, GradientClip, Lamb, Lars, LocalSGD
 from fleetc.passes.precision import AutoMixedPrecision
 from fleetc.passes.recompute import Recompute, RecomputePolicy
 
@@ -36,6 +38,11 @@ from fleetc.passes.recompute import Recompute, RecomputePolicy
 # the outcome is fixed by this order.
 PASS_ORDER: tuple[type, ...] = (
     RemoveNoopViews,  # detach/clone/same-shape views from capture hide fusion patterns and cost calls
+    # fleetc.compile(grad_clip=...): part of the optimize section from here on, so AMP, gradient merge and data
+    # parallel place it as Paddle does
+    GradientClip,
+    Lars,  # Momentum → LARS momentum; before AMP, whose master weights the new update then reads
+    Lamb,  # Adam → LAMB
     AutoMixedPrecision,  # casts first: later passes see the final dtypes
     SyncBatchNorm,  # data parallel only: batch-norm statistics over all ranks' samples (before bn fusion)
     Recompute,  # before fusion: replayed ops get fused too
@@ -46,6 +53,8 @@ PASS_ORDER: tuple[type, ...] = (
     FuseElementwiseAddAct,  # whatever add + act remains
     AutoFusion,  # after the named fusion passes: fuses the pointwise chains they leave
     GradientMerge,  # update once per k steps, on summed gradients
+    LocalSGD,  # data parallel: no gradient allreduce, parameters averaged every k steps instead
+    AdaptiveLocalSGD,  # the same with k adapted from the loss
     InsertAllreduce,  # data parallel only: average every gradient across ranks
     FuseAllreduce,  # one flat buffer and one collective per bucket of gradients
     AllreduceViews,  # gradient producers write into their bucket's buffer (no packing copy)
@@ -56,10 +65,18 @@ PASS_ORDER: tuple[type, ...] = (
 )
 
 
-def ordered_passes(config: Any, recompute_policy: RecomputePolicy | None = None) -> list[Pass]:
-    """The passes to run for a strategy config, in order."""
-    made = {Recompute: lambda: Recompute(recompute_policy)}
-    return [made.get(p, p)() for p in PASS_ORDER if p.enabled_by is None or _lookup(config, p.enabled_by) is True]
+# Passes with `enabled_by = None` that an argument of fleetc.compile switches on, rather than running always.
+SWITCHED_BY_ARGUMENT = {GradientClip: "grad_clip"}
+
+
+def ordered_passes(config: Any, recompute_policy: RecomputePolicy | None = None,
+                   grad_clip: GradClip | None = None) -> list[Pass]:
+    """The passes to run for a strategy config (and `fleetc.compile`'s grad_clip), in order."""
+    made = {Recompute: lambda: Recompute(recompute_policy), GradientClip: lambda: GradientClip(grad_clip)}
+    arguments = {"grad_clip": grad_clip}
+    return [made.get(p, p)() for p in PASS_ORDER
+            if (arguments[SWITCHED_BY_ARGUMENT[p]] is not None if p in SWITCHED_BY_ARGUMENT
+                else p.enabled_by is None or _lookup(config, p.enabled_by) is True)]
 
 
 def fusion_flags() -> list[str]:
@@ -78,10 +95,6 @@ _PENDING = (
     ("recompute_configs.enable_offload", "offloading checkpoints to host memory (recompute keeps them on the device)"),
     ("pipeline", "pipeline partitioning"),
     ("sharding", "the sharding pass"),
-    ("lars", "the LARS optimizer lowering"),
-    ("lamb", "the LAMB optimizer lowering"),
-    ("localsgd", "LocalSGD"),
-    ("adaptive_localsgd", "adaptive LocalSGD"),
     ("build_strategy.fuse_relu_depthwise_conv", "a relu+depthwise-conv fusion pass"),
     ("build_strategy.fuse_broadcast_ops", "a broadcast fusion pass (data parallel only)"),
     ("build_strategy.enable_inplace", "in-place memory reuse"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fleetc.capture.optimizer_state import initialize_state
 from fleetc.errors import CheckpointError
 from fleetc.ir.program import FLEETC_OWNED_KINDS, Program, Var, VarKind
 from fleetc.ops.optimizer import MASTER_KEY
@@ -13,8 +14,9 @@ class StateBinding:
     """Resolves, every step, the tensors behind a Program's persistables.
 
     Parameters and buffers are the module's own tensors (so `model.state_dict()` is always current);
-    optimizer state lives in `optimizer.state[param]` under torch's own keys and is created there,
-    zero-filled, the first time it is needed; fleetc-owned state (counters, accumulators) lives in
+    optimizer state lives in `optimizer.state[param]` under torch's own keys and is created there the
+    first time it is needed, as the optimizer's own first step creates it (zero-filled where the step
+    itself would create it, as SGD's momentum buffer); fleetc-owned state (counters, accumulators) lives in
     `counters`, created zero-filled unless a checkpoint already put it there.
     """
 
@@ -38,6 +40,8 @@ class StateBinding:
             elif var.kind in FLEETC_OWNED_KINDS:
                 counters[var.name] = _owned_tensor(var, counters.get(var.name))
         self.counter_names = [v.name for v in program.persistables() if v.kind in FLEETC_OWNED_KINDS]
+        self.group_of = {id(p): group for group in (optimizer.param_groups if optimizer else ()) for p in group["params"]}
+        self.declared = {(id(param), key): dtype for _, param, key, _, dtype in self.optimizer_state}
 
     def _convert_params(self, program: Program, named: dict[str, torch.Tensor]) -> None:
         """amp use_pure_fp16 declares parameters in low precision: convert the module's own parameters in place
@@ -50,6 +54,16 @@ class StateBinding:
                 self.optimizer.state[param].setdefault(MASTER_KEY, param.detach().float().clone())
             param.data = param.data.to(var.torch_dtype)
 
+    def _create(self, param: torch.Tensor, key: str, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """State the optimizer has not created yet: its own initial values (in the Program's dtype, which differs
+        from a low-precision parameter's under use_pure_fp16), else zeros."""
+        slot = self.optimizer.state[param]
+        for added in initialize_state(self.optimizer, self.group_of[id(param)], param):
+            slot[added] = slot[added].to(self.declared.get((id(param), added), slot[added].dtype))
+        if key not in slot:
+            slot[key] = torch.zeros(shape, dtype=dtype, device=param.device)
+        return slot[key]
+
     def resolve(self) -> dict[str, torch.Tensor]:
         state = dict(self.fixed)
         if self.optimizer_state:
@@ -58,7 +72,7 @@ class StateBinding:
                 slot = opt_state[param]
                 tensor = slot.get(key)
                 if tensor is None:
-                    tensor = slot[key] = torch.zeros(shape, dtype=dtype, device=param.device)
+                    tensor = self._create(param, key, shape, dtype)
                 elif tensor.dtype != dtype:
                     raise CheckpointError(
                         f"optimizer state {key!r} of {var_name.partition('@')[0]!r} is {tensor.dtype}, the Program "

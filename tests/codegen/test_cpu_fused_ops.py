@@ -25,12 +25,16 @@ def group(seed: int, scale: float = 1.0, positive: bool = False) -> list[torch.T
     return [v.abs() for v in values] if positive else values
 
 
+MIXED = [True, False, False, True]  # a parameter without a gradient on the first step has a fresh buffer later
+
+
 @pytest.mark.parametrize("momentum,dampening,nesterov,weight_decay,maximize,fresh", [
     (0.0, 0.0, False, 0.0, False, False), (0.9, 0.1, False, 1e-3, False, False), (0.9, 0.0, True, 0.0, False, False),
-    (0.9, 0.0, False, 0.0, True, True), (0.5, 0.3, True, 1e-2, True, False)])
+    (0.9, 0.0, False, 0.0, True, True), (0.5, 0.3, True, 1e-2, True, False), (0.9, 0.1, False, 1e-3, False, MIXED)])
 def test_fused_sgd_matches_the_reference_bit_for_bit(momentum, dampening, nesterov, weight_decay, maximize, fresh):
     bufs = group(2) if momentum else None
-    args = (group(0), group(1), bufs, 0.05, fresh, momentum, dampening, nesterov, weight_decay, maximize)
+    fresh = fresh if isinstance(fresh, list) else [fresh] * len(GROUP_SHAPES)
+    args = (group(0), group(1), bufs, fresh, 0.05, momentum, dampening, nesterov, weight_decay, maximize)
     _, _, got, want = run_both("fleetc.fused_sgd", args)
     assert_outputs(got, want, exact=True)
 

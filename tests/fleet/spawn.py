@@ -57,8 +57,8 @@ class Job:
 
 
 def start(world: int, worker: str, args: dict, out_dir: pathlib.Path, deadline_s: float = 90.0,
-          collective_timeout_s: float = 20.0) -> Job:
-    """Start `world` processes running `workers.<worker>(rank, args, out_dir)`, to be killed at the deadline."""
+          collective_timeout_s: float = 20.0, module: str = "fleet.workers") -> Job:
+    """Start `world` processes running `<module>.<worker>(rank, args, out_dir)`, to be killed at the deadline."""
     out_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     procs, logs = [], []
@@ -66,7 +66,7 @@ def start(world: int, worker: str, args: dict, out_dir: pathlib.Path, deadline_s
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), OMP_NUM_THREADS="1", FLEETC_COLLECTIVE_TIMEOUT=str(collective_timeout_s),
                    PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS)]))
-        command = [sys.executable, "-m", "fleet.workers", worker, json.dumps(args), str(out_dir)]
+        command = [sys.executable, "-m", module, worker, json.dumps(args), str(out_dir)]
         logs.append(out_dir / f"rank{rank}.log")
         with logs[-1].open("w") as log:  # a file, not a pipe: a chatty rank never blocks on a full pipe
             procs.append(subprocess.Popen(command, env=env, cwd=TESTS, stdout=log, stderr=subprocess.STDOUT))
@@ -74,9 +74,9 @@ def start(world: int, worker: str, args: dict, out_dir: pathlib.Path, deadline_s
 
 
 def spawn(world: int, worker: str, args: dict, out_dir: pathlib.Path, deadline_s: float = 90.0,
-          collective_timeout_s: float = 20.0) -> list[RankResult]:
-    """Run `workers.<worker>` in `world` processes and wait for them (all killed at the deadline)."""
-    return start(world, worker, args, out_dir, deadline_s, collective_timeout_s).collect()
+          collective_timeout_s: float = 20.0, module: str = "fleet.workers") -> list[RankResult]:
+    """Run `<module>.<worker>` in `world` processes and wait for them (all killed at the deadline)."""
+    return start(world, worker, args, out_dir, deadline_s, collective_timeout_s, module).collect()
 
 
 def assert_all_ok(results: list[RankResult]) -> None:

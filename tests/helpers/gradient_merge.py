@@ -14,11 +14,16 @@ def merge_strategy(k_steps: int, avg: bool = True) -> fleetc.DistributedStrategy
     return strategy
 
 
-def compiled(zoo_name: str, optimizer_name: str, strategy) -> tuple[torch.nn.Module, fleetc.CompiledTrainer]:
+def _optimizer_factory(optimizer_name):
+    """A zoo optimizer's name, or a factory `params -> optimizer`."""
+    return optimizer_name if callable(optimizer_name) else OPTIMIZERS[optimizer_name]
+
+
+def compiled(zoo_name: str, optimizer_name, strategy) -> tuple[torch.nn.Module, fleetc.CompiledTrainer]:
     entry = ZOO[zoo_name]
     torch.manual_seed(0)
     model = entry.make_model()
-    trainer = fleetc.compile(model, strategy, optimizer=OPTIMIZERS[optimizer_name](model.parameters()),
+    trainer = fleetc.compile(model, strategy, optimizer=_optimizer_factory(optimizer_name)(model.parameters()),
                              loss_fn=entry.loss_fn, verify=True)
     return model, trainer
 
@@ -29,12 +34,12 @@ def assert_same_state(actual: dict, expected: dict, rtol: float = 1e-5, atol: fl
         torch.testing.assert_close(actual[name], expected[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
-def eager_accumulation(zoo_name: str, optimizer_name: str, k_steps: int, avg: bool, micro_steps: int):
+def eager_accumulation(zoo_name: str, optimizer_name, k_steps: int, avg: bool, micro_steps: int):
     """The PyTorch idiom gradient merge replaces: backward every micro-batch, step and zero_grad every k."""
     entry = ZOO[zoo_name]
     torch.manual_seed(0)
     model = entry.make_model()
-    optimizer = OPTIMIZERS[optimizer_name](model.parameters())
+    optimizer = _optimizer_factory(optimizer_name)(model.parameters())
     g = torch.Generator().manual_seed(1)
     losses = []
     for i in range(micro_steps):

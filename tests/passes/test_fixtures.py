@@ -5,6 +5,7 @@ A fixture file (docs/ir.md, "Pass fixtures"):
     // What the fixture pins, in a sentence or two.
     // pass: fuse_elewise_add_act
     // strategy: build_strategy.fuse_elewise_add_act_ops = True
+    // grad_clip: ClipGradByGlobalNorm(1.0)      (optional: fleetc.compile's grad_clip, for the grad_clip pass)
     // ----- input
     program train: …            (the Program the pass gets, in printed form)
     // ----- expected: changed; add_act_fused=1
@@ -22,9 +23,11 @@ import os
 import pathlib
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
+import fleetc
 from fleetc.ir.liveness import estimate_memory
 from fleetc.ir.program import Program
 from fleetc.ir.verifier import verify
@@ -39,7 +42,9 @@ FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 UPDATE = os.environ.get("FLEETC_UPDATE_FIXTURES") == "1"
 INPUT = "// ----- input"
 EXPECTED = "// ----- expected"
-_FIELD = re.compile(r"// (pass|strategy): (.*)")
+_FIELD = re.compile(r"// (pass|strategy|grad_clip): (.*)")
+_CLIPS = {"ClipGradByGlobalNorm": fleetc.ClipGradByGlobalNorm, "ClipGradByNorm": fleetc.ClipGradByNorm,
+          "ClipGradByValue": fleetc.ClipGradByValue}
 
 
 @dataclass
@@ -50,6 +55,7 @@ class Fixture:
     preamble: list[str]  # the description and the pass/strategy lines, as written
     pass_name: str = ""
     strategy: dict = field(default_factory=dict)
+    grad_clip: Any = None
     input_text: str = ""
     expected_report: str = ""
     expected_text: str = ""
@@ -68,6 +74,8 @@ class Fixture:
             found = _FIELD.fullmatch(line)
             if found and found.group(1) == "pass":
                 fixture.pass_name = found.group(2).strip()
+            elif found and found.group(1) == "grad_clip":
+                fixture.grad_clip = _clip(found.group(2), f"{path}:{line_no}")
             elif found:
                 key, _, value = found.group(2).partition(" = ")
                 try:
@@ -83,6 +91,15 @@ class Fixture:
                                         expected_text]) + "\n")
 
 
+def _clip(text: str, where: str) -> Any:
+    """`ClipGradByNorm(0.5)`: one of fleetc's clip classes with literal arguments (nothing else is evaluated)."""
+    call = ast.parse(text.strip(), mode="eval").body
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in _CLIPS):
+        raise AssertionError(f"{where}: expected 'grad_clip: <{' | '.join(_CLIPS)}>(literal arguments)'")
+    return _CLIPS[call.func.id](*(ast.literal_eval(a) for a in call.args),
+                                **{k.arg: ast.literal_eval(k.value) for k in call.keywords})
+
+
 def fixture_paths() -> list[pathlib.Path]:
     return sorted(FIXTURES.glob("*/*.txt"))
 
@@ -92,7 +109,7 @@ def run_fixture(fixture: Fixture) -> tuple[Program, PassReport]:
     program = Program.parse(fixture.input_text)
     verify(program)
     config, _ = resolve_conflicts(StrategyConfig(fixture.strategy, explicit_fields=fixture.strategy))
-    passes = {p.name: p for p in ordered_passes(config)}
+    passes = {p.name: p for p in ordered_passes(config, grad_clip=fixture.grad_clip)}
     if fixture.pass_name not in passes:
         raise AssertionError(f"{fixture.path}: pass {fixture.pass_name!r} is not in the pass order for strategy "
                              f"{fixture.strategy}; the order has {list(passes)}")
@@ -132,6 +149,7 @@ def test_every_pass_has_a_fixture_and_every_family_three() -> None:
     fixtures = [Fixture.read(p) for p in fixture_paths()]
     assert {f.pass_name for f in fixtures} >= set(all_pass_names()), "passes without a fixture"
     families = {p.parent.name for p in fixture_paths()}
-    assert families >= {"cleanup", "precision", "recompute", "fusion", "gradient_merge", "data_parallel"}
+    assert families >= {"cleanup", "precision", "recompute", "fusion", "gradient_merge", "data_parallel",
+                        "optimizers"}
     for family in families:
         assert len(list((FIXTURES / family).glob("*.txt"))) >= 3, family

@@ -191,7 +191,7 @@ def _collective_fixture() -> Program:
         op("sum", "aten.sum.default", (Ref("synced"),), "loss", OpRole.FORWARD | OpRole.LOSS),
         op("grad", "aten.mul.Tensor", (Ref("x"), 1.0), "w@GRAD", OpRole.BACKWARD),
         op("allreduce", "aten.mul.Tensor", (Ref("w@GRAD"), 0.5), "reduced", OpRole.BACKWARD | OpRole.COLLECTIVE),
-        Op("w.sgd", "fleetc.sgd", (Ref("w"), Ref("reduced"), None, Ref("lr"), False, 0.0, 0.0, False, 0.0, False),
+        Op("w.sgd", "fleetc.sgd", (Ref("w"), Ref("reduced"), None, False, Ref("lr"), 0.0, 0.0, False, 0.0, False),
            outputs=["w"], attrs={"op_role": int(OpRole.OPTIMIZE), "module_path": "m"}),
     ]
     verify(p)
@@ -213,7 +213,7 @@ def test_collectives_feeding_only_the_update_move_into_the_block():
         "  () = fleetc.conditional_block(gradient_merge@update)",
         "      w@GRAD@MERGE: f32[4] = fleetc.divide(w@GRAD@MERGE, 2.0)",
         "      reduced: f32[4] = aten.mul.Tensor(w@GRAD@MERGE, 0.5)",
-        "      w: f32[4] = fleetc.sgd(w, reduced, None, lr, False, 0.0, 0.0, False, 0.0, False)",
+        "      w: f32[4] = fleetc.sgd(w, reduced, None, False, lr, 0.0, 0.0, False, 0.0, False)",
         "      w@GRAD@MERGE: f32[4] = fleetc.zero(w@GRAD@MERGE)",
     ]
     assert "reduced" in program.blocks[1].vars and "reduced" not in program.global_block.vars

@@ -172,17 +172,19 @@ def _list_vars(inputs: list, index: int) -> list[Var] | None:
 def plan_fused_sgd(op: Op, inputs: list) -> CpuPlan:
     """`fleetc.fused_sgd`: one kernel call per group."""
     params, grads, bufs = (_list_vars(inputs, k) for k in range(3))
-    lr, fresh, momentum, dampening, nesterov, weight_decay, maximize = op.args[3:10]
+    fresh, lr, momentum, dampening, nesterov, weight_decay, maximize = op.args[3:10]
     _check_vars("fused_sgd", [params, grads, bufs])
     kernel = sgd_kernel(momentum != 0, bool(nesterov), weight_decay != 0, bool(maximize))
 
     def bind(functions: list[Any]) -> Callable[..., Any]:
         runner = _GroupRunner(functions[0])
 
-        def run(params, grads, momentum_buffers, lr, fresh, momentum, dampening, nesterov, weight_decay, maximize):
+        def run(params, grads, momentum_buffers, fresh, lr, momentum, dampening, nesterov, weight_decay, maximize):
             lists = [params, grads] + ([momentum_buffers] if momentum != 0 else [])
-            if not runner(lists, [lr, momentum, 1 - dampening, weight_decay, float(bool(fresh))]):
-                fused_optimizer.fused_sgd(params, grads, momentum_buffers, lr, fresh, momentum, dampening, nesterov,
+            # The kernel takes one freshness for the group; mixed fresh and old buffers take the reference.
+            uniform = all(fresh) or not any(fresh)
+            if not uniform or not runner(lists, [lr, momentum, 1 - dampening, weight_decay, float(all(fresh))]):
+                fused_optimizer.fused_sgd(params, grads, momentum_buffers, fresh, lr, momentum, dampening, nesterov,
                                           weight_decay, maximize)
 
         return run

@@ -100,6 +100,9 @@ class InsertAllreduce:
         if world == 1:
             report.skipped_reason = SINGLE_PROCESS
             return program, report
+        if "local_sgd" in program.metadata:
+            report.skipped_reason = "local SGD: ranks update locally and average parameters instead (local_sgd)"
+            return program, report
         algorithm = algorithm_for(config, world)
         block = program.global_block
         grads = gradient_vars(program)

@@ -58,14 +58,16 @@ def insert_update_block_allreduces(program: Program, buckets: list[list[str]], n
             kept.append(op)
     new_ops = []
     for index, grads in enumerate(buckets):
-        new_ops += _bucket_ops(program, block, [accumulator[g] for g in grads], common.common_module(program, grads),
-                               index % nccl_comm_num, algorithm, f"merged_bucket{index}", provenance)
+        new_ops += allreduce_into_ops(program, block, [accumulator[g] for g in grads],
+                                      common.common_module(program, grads), index % nccl_comm_num, algorithm,
+                                      f"merged_bucket{index}", provenance)
     block.ops = new_ops + kept
 
 
-def _bucket_ops(program: Program, block: Block, accumulators: list[str], module_path: str, comm: int,
-                algorithm: str, label: str, provenance: str) -> list[Op]:
-    """Allocate the bucket's buffer, copy the accumulators in and issue the allreduce, wait and copy back."""
+def allreduce_into_ops(program: Program, block: Block, accumulators: list[str], module_path: str, comm: int,
+                       algorithm: str, label: str, provenance: str) -> list[Op]:
+    """Ops averaging persistables across ranks in place, as one bucket: allocate its buffer in `block`, copy the
+    persistables in and issue the allreduce, wait and copy the averages back (also local SGD's parameters)."""
     first = program.var(accumulators[0])
     numel = sum(common.var_numel(program.var(a)) for a in accumulators)
     flat = block.add_var(Var(program.unique_name(f"{label}@FLAT"), (numel,), first.dtype, first.device))

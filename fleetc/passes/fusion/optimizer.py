@@ -1,5 +1,6 @@
-"""Optimizer fusion (`fuse_all_optimizer_ops`): per-parameter fleetc.sgd / fleetc.adam ops → one
-multi-tensor fleetc.fused_sgd / fleetc.fused_adam op per (dtype, device, hyperparameters) group.
+"""Optimizer fusion (`fuse_all_optimizer_ops`): per-parameter fleetc.sgd / adam / lars_momentum / lamb ops →
+one multi-tensor fleetc.fused_* op per (dtype, device, hyperparameters) group. Traced updates (other
+torch.optim optimizers) are many aten ops per parameter and stay as they are (a note says so).
 
 Every block is fused on its own (a group never spans blocks), so updates that AMP's skip-on-overflow or
 gradient merge moved into a `fleetc.conditional_block` sub-block are fused there.
@@ -13,7 +14,8 @@ from fleetc.ir.program import Block, Op, OpRole, Program
 from fleetc.passes.base import PassReport
 
 # op type → (fused op type, how many leading per-parameter arguments become lists)
-_FUSABLE = {"fleetc.sgd": ("fleetc.fused_sgd", 3), "fleetc.adam": ("fleetc.fused_adam", 5)}
+_FUSABLE = {"fleetc.sgd": ("fleetc.fused_sgd", 4), "fleetc.adam": ("fleetc.fused_adam", 5),
+            "fleetc.lars_momentum": ("fleetc.fused_lars_momentum", 4), "fleetc.lamb": ("fleetc.fused_lamb", 6)}
 
 
 def _group_key(program: Program, block: Block, op: Op) -> tuple:
@@ -59,7 +61,8 @@ def fused_order(program: Program, ops: list[Op], members: list[Op], fused: Op) -
 class FuseOptimizerOps:
     name = "fuse_all_optimizer_ops"
     enabled_by = 'build_strategy.fuse_all_optimizer_ops'
-    summary = "per-parameter sgd/adam updates → one multi-tensor fused update per dtype/device/hyperparameter group"
+    summary = ("per-parameter sgd/adam/lars/lamb updates → one multi-tensor fused update per "
+               "dtype/device/hyperparameter group")
     reads = ("build_strategy.fuse_all_optimizer_ops",)
 
     def run(self, program: Program, config: Any) -> tuple[Program, PassReport]:
@@ -70,8 +73,13 @@ class FuseOptimizerOps:
                 owner = next(op.name for _, op in program.walk_ops() if op.sub_block == block.idx)
                 report.notes.append(f"block {block.idx} (the sub-block of {owner}): {fused} fused update op(s)")
         report.changed = "fused_ops" in report.stats
+        traced = program.metadata.get("optimizer", {}).get("traced", 0)
+        if traced:
+            report.notes.append(f"{traced} traced update(s) of {program.metadata['optimizer']['type']} (aten ops per "
+                                "parameter) have no multi-tensor form and are not fused")
         if not report.changed and "groups_not_fused" not in report.stats:
-            report.skipped_reason = "flag on, but the Program has no fleetc.sgd / fleetc.adam update ops"
+            report.skipped_reason = ("flag on, but the Program has no fleetc.sgd / adam / lars_momentum / lamb update "
+                                     "ops" + (f" (its {traced} updates are traced aten ops)" if traced else ""))
         return program, report
 
     def _fuse_block(self, program: Program, block: Block, report: PassReport) -> int:

@@ -3,8 +3,8 @@
 The joint graph already holds the backward ops, so one dataflow sweep covers both directions: a
 white op casts its float inputs to low precision, a black op to float32, and a gray op runs in low
 precision only when all its float inputs already are (Paddle's promote rule). Every value is cast
-to a given dtype at most once and the cast reused. fleetc ops (optimizer updates, buffer assigns)
-and fetched values get back the dtype capture gave them, so gradients reach the optimizer in
+to a given dtype at most once and the cast reused. fleetc ops (optimizer updates, buffer assigns),
+the aten ops of a traced optimizer update, and fetched values get back the dtype capture gave them, so gradients reach the optimizer in
 float32 and parameters stay float32 (master weights). With `use_pure_fp16` the parameters themselves
 become low precision and the updates go through float32 master copies (precision/master_weights.py).
 Then dynamic loss scaling is added (precision/loss_scaling.py).
@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fleetc.errors import PassError
 from fleetc.ir.liveness import aliased_input
-from fleetc.ir.program import Op, Program, Ref, Var, VarKind, map_refs
+from fleetc.ir.program import Op, OpRole, Program, Ref, Var, VarKind, map_refs
 from fleetc.ir.registry import resolve_callable
 from fleetc.passes.base import PassReport
 from fleetc.passes.precision.amp_lists import AmpLists
@@ -170,7 +170,7 @@ class _CastRewriter:
             a.name == "dtype" and a.kwarg_only for a in schema.arguments)
 
     def rewrite(self, op: Op) -> None:
-        if not op.type.startswith("aten."):
+        if not op.type.startswith("aten.") or OpRole.OPTIMIZE in op.role:  # updates run in their captured dtypes
             op.rename_inputs({n: self.restore_dtype(n, op) for n in op.inputs if self.castable(n)})
             self.ops.append(op)
             return

@@ -47,7 +47,9 @@ def insert_loss_scaling(program: Program, cfg: Any, report: PassReport) -> None:
 
     first_update += 1
     updates = block.ops[first_update:]
-    grads = list(dict.fromkeys(n for op in updates for n in op.inputs if program.var(n).kind is VarKind.TEMP))
+    inside = {n for op in updates for n in op.defined}  # a traced update's own temporaries are not gradients
+    grads = list(dict.fromkeys(n for op in updates for n in op.inputs
+                               if program.var(n).kind is VarKind.TEMP and n not in inside))
     unscaled = [_temp(program, f"{g}@UNSCALED", program.var(g)) for g in grads]
     found_inf = _temp(program, "found_inf", Var("", (1,), "float32", device))
     finite = _temp(program, "grads_finite", Var("", (1,), "bool", device))

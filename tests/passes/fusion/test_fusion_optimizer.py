@@ -50,9 +50,9 @@ def _tensors(seed, n=3):
 def test_fused_sgd_equals_per_parameter_sgd(momentum, nesterov, fresh):
     params, grads, bufs = _tensors(0), _tensors(1), _tensors(2) if momentum else None
     ref_params, ref_bufs = [p.clone() for p in params], [b.clone() for b in bufs] if bufs else [None] * 3
-    fused_sgd(params, grads, bufs, 0.1, fresh, momentum, 0.1 if not nesterov else 0.0, nesterov, 1e-2, True)
+    fused_sgd(params, grads, bufs, [fresh] * 3, 0.1, momentum, 0.1 if not nesterov else 0.0, nesterov, 1e-2, True)
     for p, g, b in zip(ref_params, grads, ref_bufs):
-        sgd(p, g, b, 0.1, fresh, momentum, 0.1 if not nesterov else 0.0, nesterov, 1e-2, True)
+        sgd(p, g, b, fresh, 0.1, momentum, 0.1 if not nesterov else 0.0, nesterov, 1e-2, True)
     assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
     if bufs:
         assert all(torch.equal(a, b) for a, b in zip(bufs, ref_bufs))

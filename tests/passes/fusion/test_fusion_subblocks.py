@@ -278,7 +278,7 @@ def _updates_program(between: str) -> Program:
     opt = {"op_role": int(OpRole.OPTIMIZE)}
 
     def sgd(param):
-        return Op(f"sgd_{param}", "fleetc.sgd", (Ref(param), Ref(f"{param}@GRAD"), None, Ref("lr"), False, 0.0, 0.0,
+        return Op(f"sgd_{param}", "fleetc.sgd", (Ref(param), Ref(f"{param}@GRAD"), None, False, Ref("lr"), 0.0, 0.0,
                                                  False, 0.0, False), outputs=[param], attrs=dict(opt))
 
     op = {"reads_p": Op("keep_p", "fleetc.assign", (Ref("copy"), Ref("p")), outputs=["copy"], attrs=dict(opt)),
