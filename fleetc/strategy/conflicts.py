@@ -38,8 +38,9 @@ def resolve_conflicts(cfg: StrategyConfig) -> tuple[StrategyConfig, tuple[Decisi
        the user can pick one.
     2. localsgd and adaptive_localsgd both on: localsgd is switched off; the adaptive variant is
        the same scheme with a tuned interval (Paddle black-lists the pair).
-    3. gradient_merge with pipeline: gradient_merge is switched off; the pipeline already
-       accumulates gradients over pipeline_configs.accumulate_steps micro-batches.
+    3. gradient_merge is never dropped because of pipeline: pipeline partitioning is not applied yet
+       (it is reported as not applied), so switching gradient merge off would update every step.
+       The final rule for the two together belongs with the pipeline pass.
     4. gradient_merge with gradient_merge_configs.k_steps == 1: switched off; merging a single
        step is a plain step (Paddle does not apply it either).
     5. recompute with no checkpoints and no memory_budget_mb: switched off; there is nowhere to cut
@@ -62,10 +63,7 @@ def resolve_conflicts(cfg: StrategyConfig) -> tuple[StrategyConfig, tuple[Decisi
 
     if cfg.localsgd and cfg.adaptive_localsgd:
         switch_off("localsgd", "adaptive_localsgd is on, and it is local SGD with an adapted interval")
-    if cfg.gradient_merge and cfg.pipeline:
-        switch_off("gradient_merge", "pipeline already accumulates gradients over pipeline_configs."
-                   f"accumulate_steps={cfg.pipeline_configs.accumulate_steps} micro-batches")
-    elif cfg.gradient_merge and cfg.gradient_merge_configs.k_steps == 1:
+    if cfg.gradient_merge and cfg.gradient_merge_configs.k_steps == 1:
         switch_off("gradient_merge", "gradient_merge_configs.k_steps is 1, so there is nothing to merge")
     if cfg.recompute and cfg.recompute_configs.checkpoints == () and cfg.recompute_configs.memory_budget_mb is None:
         switch_off("recompute", "recompute_configs.checkpoints is empty; give checkpoint names, 'auto' "

@@ -236,12 +236,27 @@ def test_fixture_segment_is_replayed_before_its_first_reader_with_the_saved_mask
     assert report.stats["ops_recomputed"] == 2 and report.stats["dropouts_replayed"] == 1
 
 
-@pytest.mark.parametrize("p", [0.0, 0.3, 1.0])
-def test_dropout_replay_is_bit_identical_to_the_recorded_dropout(p):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("p", [0.0, 0.1, 0.3, 0.7, 1.0])
+def test_dropout_replay_is_bit_identical_to_the_recorded_dropout(p, dtype):
     torch.manual_seed(3)
-    x = torch.randn(1000)
+    x = torch.randn(4000, dtype=dtype)
     out, mask = torch.ops.aten.native_dropout.default(x, p, True)
     assert torch.equal(fleetc.ops.resolve_callable("fleetc.dropout_replay")(x, mask, p, True), out)
+
+
+def test_gpt_under_amp_with_recompute_equals_amp_without_it():
+    """The replayed dropout is exact in bf16 too, so recompute changes nothing but memory under AMP."""
+    def amp(**recompute_configs):
+        strategy = _strategy(**recompute_configs) if recompute_configs else fleetc.DistributedStrategy()
+        strategy.amp = True
+        strategy.amp_configs = {"dtype": "bfloat16"}
+        return strategy
+
+    with_recompute = run_side_by_side("gpt", "sgd", steps=3, strategy=amp(checkpoints=["layers.0", "layers.1"]))
+    without = run_side_by_side("gpt", "sgd", steps=3, strategy=amp())
+    assert with_recompute.trainer.history["recompute"].report.stats["dropouts_replayed"] > 0
+    _assert_identical(with_recompute, without)
 
 
 def test_composes_with_gradient_merge():
