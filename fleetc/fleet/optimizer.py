@@ -8,6 +8,20 @@ import torch.distributed as dist
 
 from fleetc.comm import env
 from fleetc.comm.faults import collective_failed
+from fleetc.errors import StrategyError
+from fleetc.strategy import resolve_conflicts, resolve_strategy
+
+# Strategy switches that change the results but have no meaning in a hand-written eager loop's step(): an eager
+# step() refuses them rather than silently training without them. Switches that change only speed or memory
+# (fusion, recompute, allreduce bucketing) do not change what step() computes and are not listed.
+_NEEDS_COMPILE = {
+    "amp": "AMP casts the forward pass and scales the loss before backward, which step() runs after",
+    "lars": "the LARS update is a rewrite of the compiled optimizer step",
+    "lamb": "the LAMB update is a rewrite of the compiled optimizer step",
+    "localsgd": "local SGD replaces the gradient allreduce inside the compiled step",
+    "adaptive_localsgd": "adaptive local SGD replaces the gradient allreduce inside the compiled step",
+    "sync_batch_norm": "synchronized batch norm rewrites the forward pass",
+}
 
 
 class DistributedOptimizer:
@@ -16,6 +30,10 @@ class DistributedOptimizer:
     `fleetc.compile(model, optimizer=this)` or `fleet.distributed_model(model)` compile the whole step
     (gradients averaged inside the Program). Used eagerly, `step()` averages `p.grad` across ranks
     (one collective per dtype) and then applies the update, so a hand-written loop is data parallel too.
+    Eagerly, `gradient_merge` is applied too: each `step()` is a micro-step whose gradients are added into
+    accumulators (call `clear_grad()` after each, as usual), and every k-th one updates with their mean (`avg`)
+    or sum. Strategy switches with no eager meaning (`_NEEDS_COMPILE`, e.g. `amp`) make `step()` raise a
+    StrategyError that points to `fleetc.compile`.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, strategy: Any = None, fleet: Any = None):
@@ -24,6 +42,8 @@ class DistributedOptimizer:
         self.inner = optimizer
         self.strategy = strategy
         self.fleet = fleet  # the Fleet that made it: it builds the trainer
+        self._merged: dict[torch.Tensor, torch.Tensor] = {}  # eager gradient merge: parameter -> summed grads
+        self._micro_steps = 0
 
     def compile_trainer(self, model: Any, strategy: Any = None, **compile_options: Any) -> Any:
         """What `fleetc.compile(model, optimizer=this)` returns: the Fleet's data-parallel trainer."""
@@ -38,10 +58,42 @@ class DistributedOptimizer:
         return self.inner.state
 
     def step(self) -> None:
-        """Average the parameters' gradients across ranks, then update (eager training loops)."""
+        """Average the parameters' gradients across ranks, then update (eager training loops).
+
+        With gradient merge on, only every k-th call updates, with the merged gradients."""
+        config = self._eager_config()
+        if config.gradient_merge and not self._merge_micro_step(config.gradient_merge_configs):
+            return
         if env.world_size() > 1:
             self._average_grads()
         self.inner.step()
+
+    def _eager_config(self) -> Any:
+        """The strategy as resolved for compiling; a StrategyError for switches an eager step cannot honour."""
+        config, _ = resolve_conflicts(resolve_strategy(self.strategy))
+        for switch, why in _NEEDS_COMPILE.items():
+            if config.get(switch):
+                raise StrategyError(f"strategy.{switch} is on, but the eager distributed_optimizer.step() cannot apply "
+                                    f"it ({why}); compile the training step with fleetc.compile(model, strategy, "
+                                    "optimizer=...) or fleet.distributed_model(model), or switch it off")
+        return config
+
+    def _merge_micro_step(self, merge: Any) -> bool:
+        """Add this micro-step's gradients to the accumulators; on every k-th, put the merged ones in `p.grad`.
+
+        Returns whether the optimizer update runs now."""
+        for group in self.inner.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    total = self._merged.get(p)
+                    self._merged[p] = p.grad.detach().clone() if total is None else total.add_(p.grad)
+        self._micro_steps += 1
+        if self._micro_steps % merge.k_steps:
+            return False
+        for p, total in self._merged.items():
+            p.grad = total.div_(merge.k_steps) if merge.avg else total
+        self._merged = {}
+        return True
 
     def _average_grads(self) -> None:
         grads = [p.grad for g in self.inner.param_groups for p in g["params"] if p.grad is not None]

@@ -94,6 +94,57 @@ def test_compile_with_a_distributed_optimizer_gives_a_data_parallel_trainer(sing
     assert isinstance(fleetc.compile(model, optimizer=opt), DataParallelTrainer)
 
 
+def _batches(count: int):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 32, generator=g), torch.randint(0, 10, (4,), generator=g)) for _ in range(count)]
+
+
+def _eager_loop(opt, model, batches) -> None:
+    for x, y in batches:
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.clear_grad()
+
+
+def test_eager_step_applies_gradient_merge(single_fleet):
+    """Regression: the eager step() used to ignore the strategy and update every step."""
+    strategy = fleet.DistributedStrategy()
+    strategy.gradient_merge = True
+    strategy.gradient_merge_configs = {"k_steps": 4, "avg": True}
+    torch.manual_seed(0)
+    model = ZOO["mlp"].make_model()
+    reference = ZOO["mlp"].make_model()
+    reference.load_state_dict(model.state_dict())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), strategy)
+    batches = _batches(8)
+    _eager_loop(opt, model, batches[:3])
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()), "updated before the 4th step"
+    _eager_loop(opt, model, batches[3:])
+    # the reference: one update per 4 batches, on the mean of their gradients
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for start in (0, 4):
+        for x, y in batches[start:start + 4]:
+            (torch.nn.functional.cross_entropy(reference(x), y) / 4).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for (name, a), b in zip(model.state_dict().items(), reference.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+def test_eager_step_refuses_amp_and_points_to_compile(single_fleet):
+    strategy = fleet.DistributedStrategy()
+    strategy.amp = True
+    model = ZOO["mlp"].make_model()
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(fleetc.StrategyError, match=r"strategy.amp is on.*fleetc.compile"):
+        _eager_loop(opt, model, _batches(1))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    trainer = fleet.distributed_model(model, loss_fn=ZOO["mlp"].loss_fn)  # the compiled path still takes it
+    trainer.step(torch.randn(4, 32), torch.randint(0, 10, (4,)))
+
+
 def _run_options(*argv):
     return build_parser().parse_args(["run", *argv])
 
