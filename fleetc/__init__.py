@@ -4,6 +4,7 @@ from fleetc import (
     viz,  # noqa: F401,E402  (registers the notebook views of Programs and pass records)
 )
 from fleetc.capture.device_guard import device_guard
+from fleetc.capture.fp16_guard import fp16_guard
 from fleetc.compiler import CompiledTrainer, compile
 from fleetc.errors import (
     CaptureError,
@@ -36,5 +37,5 @@ __all__ = [
     "ClipGradByValue", "CollectiveError", "CompileReport", "CompiledTrainer", "DistributedStrategy",
     "ExecutionStrategy", "ExportError", "FleetcError", "GuardError", "Op", "OpRole", "PassError", "Program",
     "ProgramParseError", "Strategy", "StrategyError", "UnsupportedOptimizerError", "Var", "VarKind",
-    "VerificationError", "compile", "device_guard", "load_inference_model",
+    "VerificationError", "compile", "device_guard", "fp16_guard", "load_inference_model",
 ]

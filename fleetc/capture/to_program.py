@@ -15,6 +15,7 @@ from torch._functorch._aot_autograd.descriptors import (
     TangentAOTInput,
 )
 
+from fleetc.capture.fp16_guard import ATTR as FP16_GUARD
 from fleetc.capture.step_module import MODEL_ATTR
 from fleetc.capture.trace import user_frame_from_stack_trace
 from fleetc.errors import CaptureError
@@ -137,9 +138,11 @@ class _Converter:
             candidates = self.seq_to_forward[seq_nr]
             same_module = [op for op in candidates if op.module_path == path]
             attrs["forward_op"] = (same_module or candidates)[-1].name
-        device = (node.meta.get("custom") or {}).get("op_device")
-        if device:
-            attrs["op_device"] = device
+        custom = node.meta.get("custom") or {}
+        if custom.get("op_device"):
+            attrs["op_device"] = custom["op_device"]
+        if custom.get(FP16_GUARD):
+            attrs[FP16_GUARD] = True
         source = user_frame_from_stack_trace(node.meta.get("stack_trace"))
         if source:
             attrs["source"] = source

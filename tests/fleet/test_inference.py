@@ -95,7 +95,7 @@ def test_load_refuses_a_directory_fleetc_did_not_write(tmp_path):
 def test_pure_fp16_exports_float32_master_weights_and_the_training_dtype(tmp_path):
     strategy = fleetc.DistributedStrategy()
     strategy.amp = True
-    strategy.amp_configs = {"use_pure_fp16": True}
+    strategy.amp_configs = {"use_pure_fp16": True, "use_fp16_guard": False}
     trainer, (x,), _ = trained(ZOO["mlp"], strategy)
     assert trainer.model.fc1.weight.dtype == torch.bfloat16
     result = inference.save_inference_model(trainer, str(tmp_path / "pure"), "x", "output")

@@ -24,11 +24,12 @@ def amp_trainer(zoo_name: str = "mlp", optimizer: str = "sgd", **configs):
 
 
 def pure_strategy(**configs) -> fleetc.DistributedStrategy:
-    return amp_strategy(use_pure_fp16=True, **configs)
+    """Pure low precision for the whole model (use_fp16_guard=False: the zoo models have no fp16_guard regions)."""
+    return amp_strategy(use_pure_fp16=True, **{"use_fp16_guard": False, **configs})
 
 
 def pure_trainer(zoo_name: str = "mlp", optimizer: str = "adam", **configs):
-    return amp_trainer(zoo_name, optimizer, use_pure_fp16=True, **configs)
+    return amp_trainer(zoo_name, optimizer, use_pure_fp16=True, **{"use_fp16_guard": False, **configs})
 
 
 def poisoned(args: tuple) -> tuple:

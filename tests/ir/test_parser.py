@@ -26,7 +26,7 @@ STRATEGIES = {
                     "build_strategy.enable_auto_fusion": True},
     "recompute": {"recompute": True},
     "amp": {"amp": True},
-    "amp_pure_fp16": {"amp": True, "amp_configs.use_pure_fp16": True},
+    "amp_pure_fp16": {"amp": True, "amp_configs.use_pure_fp16": True, "amp_configs.use_fp16_guard": False},
     "gradient_merge": {"gradient_merge": True, "gradient_merge_configs.k_steps": 2},
 }
 if os.environ.get("FLEETC_FULL") == "1":

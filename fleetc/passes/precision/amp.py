@@ -6,8 +6,9 @@ precision only when all its float inputs already are (Paddle's promote rule). Ev
 to a given dtype at most once and the cast reused. fleetc ops (optimizer updates, buffer assigns),
 the aten ops of a traced optimizer update, and fetched values get back the dtype capture gave them, so gradients reach the optimizer in
 float32 and parameters stay float32 (master weights). With `use_pure_fp16` the parameters themselves
-become low precision and the updates go through float32 master copies (precision/master_weights.py).
-Then dynamic loss scaling is added (precision/loss_scaling.py).
+become low precision and the updates go through float32 master copies (precision/master_weights.py);
+with `use_fp16_guard` too (the default) only the ops inside `fleetc.fp16_guard` regions are cast, and only the
+parameters nothing else reads become low precision, as in Paddle. Then dynamic loss scaling is added (precision/loss_scaling.py).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from fleetc.capture.fp16_guard import ATTR as FP16_GUARD
 from fleetc.errors import PassError
 from fleetc.ir.liveness import aliased_input
 from fleetc.ir.program import Op, OpRole, Program, Ref, Var, VarKind, map_refs
@@ -42,8 +44,9 @@ class _CastRewriter:
     """One sweep over the global block, rebuilding its op list with casts and updated output dtypes."""
 
     def __init__(self, program: Program, lists: AmpLists, low: str, black_vars: set[str], report: PassReport,
-                 low_params: set[str]):
+                 low_params: set[str], guarded_only: bool = False):
         self.program = program
+        self.guarded_only = guarded_only  # use_fp16_guard: ops outside fp16_guard regions stay float32
         self.block = program.global_block
         self.lists = lists
         self.low = low
@@ -113,9 +116,12 @@ class _CastRewriter:
         return list(result) if isinstance(result, (tuple, list)) else [result]
 
     # ----- the sweep --------------------------------------------------------------------------
+    def outside_guard(self, op: Op) -> bool:
+        return self.guarded_only and not op.attrs.get(FP16_GUARD)
+
     def target_dtype(self, op: Op) -> str:
         names = set(op.inputs) | set(op.defined)
-        if names & self.black_vars:
+        if names & self.black_vars or self.outside_guard(op):
             return FLOAT32
         kind = self.lists.classify(op.type)
         if kind == "white":
@@ -134,7 +140,8 @@ class _CastRewriter:
 
     def runs_low(self, op: Op) -> bool:
         """Whether `op` runs in low precision whatever its inputs: a white op, or a view only such ops read."""
-        if not op.type.startswith("aten.") or (set(op.inputs) | set(op.defined)) & self.black_vars:
+        if (not op.type.startswith("aten.") or (set(op.inputs) | set(op.defined)) & self.black_vars
+                or self.outside_guard(op)):
             return False
         if self.lists.classify(op.type) == "white":
             return True
@@ -222,9 +229,23 @@ class AutoMixedPrecision:
         missing = sorted(n for n in black_vars if program.find_var(n) is None)
         if missing:
             report.notes.append(f"amp_configs.custom_black_varnames: no Var named {missing} in this Program")
+        guarded_only = cfg.use_pure_fp16 and cfg.use_fp16_guard
+        guarded = [op for op in program.global_block.ops if op.attrs.get(FP16_GUARD)]
+        if not cfg.use_pure_fp16 and ("amp_configs.use_fp16_guard" in config.explicit_fields or guarded):
+            report.notes.append("amp_configs.use_fp16_guard and fleetc.fp16_guard regions: not applicable without "
+                                "use_pure_fp16; ops are cast by the white and black lists (O1)")
+        if guarded_only and not guarded:
+            report.skipped_reason = ("use_pure_fp16 with amp_configs.use_fp16_guard=True, but the model has no "
+                                     "fleetc.fp16_guard region: nothing was cast, the step runs in float32 (set "
+                                     "use_fp16_guard=False to cast the whole model)")
+            return program, report
         low_params = {v.name for v in params if v.dtype == FLOAT32 and v.name not in black_vars} \
             if cfg.use_pure_fp16 else set()
-        _CastRewriter(program, lists, low, black_vars, report, low_params).run()
+        if guarded_only:
+            low_params = _read_only_inside_guards(program, low_params)
+            report.notes.append(f"use_fp16_guard: only the {len(guarded)} ops inside fleetc.fp16_guard regions run in "
+                                f"{low}; {len(low_params)} parameters only they read are kept in {low}")
+        _CastRewriter(program, lists, low, black_vars, report, low_params, guarded_only).run()
         report.notes.append(f"low precision: {low}")
         keep_master_weights(program, low_params, report)
         insert_loss_scaling(program, cfg, report)
@@ -232,3 +253,14 @@ class AutoMixedPrecision:
         if not report.changed:
             report.skipped_reason = "no op in the Program is on the white list or follows a white-listed op"
         return program, report
+
+
+def _read_only_inside_guards(program: Program, params: set[str]) -> set[str]:
+    """The parameters of `params` that only ops inside fp16_guard regions read (optimizer updates aside)."""
+    inside: dict[str, bool] = {}
+    for op in program.global_block.ops:
+        if OpRole.OPTIMIZE in op.role:
+            continue
+        for name in params.intersection(op.inputs):
+            inside[name] = inside.get(name, True) and bool(op.attrs.get(FP16_GUARD))
+    return {name for name, only_inside in inside.items() if only_inside}

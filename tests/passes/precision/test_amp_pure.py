@@ -6,12 +6,13 @@ import copy
 import pytest
 import torch
 from conftest import run_side_by_side
-from helpers.amp import poisoned, pure_strategy, pure_trainer
+from helpers.amp import amp_strategy, poisoned, pure_strategy, pure_trainer
 from torch.utils._python_dispatch import TorchDispatchMode
+from zoo import MLP as ZOO_MLP
 from zoo import OPTIMIZERS
 
 import fleetc
-from fleetc.ir.program import VarKind
+from fleetc.ir.program import OpRole, VarKind
 
 
 class _RecordParamDtypes(TorchDispatchMode):
@@ -152,3 +153,76 @@ def test_loading_optimizer_state_after_the_params_went_bf16_is_a_clear_error():
     trainer.optimizer.load_state_dict(trainer.optimizer.state_dict())  # torch casts the masters to bf16
     with pytest.raises(fleetc.CheckpointError, match="before the first step"):
         trainer.step(*batch)
+
+
+class _HalfGuarded(torch.nn.Module):
+    """fc1 inside an fp16_guard region, fc2 outside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(32, 16)
+        self.fc2 = torch.nn.Linear(16, 10)
+
+    def forward(self, x):
+        with fleetc.fp16_guard():
+            h = torch.relu(self.fc1(x))
+        return self.fc2(h)
+
+
+def _guarded_trainer(model: torch.nn.Module, **configs):
+    torch.manual_seed(0)
+    trainer = fleetc.compile(model, pure_strategy(**configs), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             loss_fn=torch.nn.functional.cross_entropy, verify=True)
+    g = torch.Generator().manual_seed(1)
+    losses = [trainer.step(torch.randn(8, 32, generator=g), torch.randint(0, 10, (8,), generator=g))
+              for _ in range(2)]
+    return trainer, losses
+
+
+def test_use_fp16_guard_casts_only_the_guarded_region():
+    trainer, _ = _guarded_trainer(_HalfGuarded(), use_fp16_guard=True)
+    model, program = trainer.model, trainer.program
+    assert model.fc1.weight.dtype == torch.bfloat16 and model.fc2.weight.dtype == torch.float32
+    matmuls = [op for op in program.global_block.ops if op.type == "aten.addmm.default"]
+    assert {op.module_path: program.var(op.outputs[0]).dtype for op in matmuls} == {"fc1": "bfloat16",
+                                                                                    "fc2": "float32"}
+    guarded = [op for op in program.global_block.ops if op.attrs.get("fp16_guard")]
+    assert any(OpRole.BACKWARD in op.role for op in guarded), "backward ops of the region are guarded too"
+    assert any("only the" in note and "fp16_guard" in note for note in trainer.report().notes["amp"])
+
+
+def test_use_fp16_guard_false_casts_the_whole_model():
+    trainer, _ = _guarded_trainer(_HalfGuarded(), use_fp16_guard=False)
+    assert trainer.model.fc2.weight.dtype == torch.bfloat16
+
+
+def test_use_fp16_guard_without_a_region_trains_float32_and_says_so():
+    model = ZOO_MLP()
+    eager = copy.deepcopy(model)
+    trainer, losses = _guarded_trainer(model, use_fp16_guard=True)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert "no fleetc.fp16_guard region" in trainer.report().skipped["amp"]
+    assert "no fleetc.fp16_guard region" in str(trainer.report())
+    opt = torch.optim.SGD(eager.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    for loss in losses:
+        x, y = torch.randn(8, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
+        expected = torch.nn.functional.cross_entropy(eager(x), y)
+        expected.backward()
+        opt.step()
+        opt.zero_grad()
+        torch.testing.assert_close(loss, expected.detach())
+
+
+def test_use_fp16_guard_under_o1_is_reported_not_applicable_and_changes_nothing():
+    def program(**configs):
+        torch.manual_seed(0)
+        model = _HalfGuarded()
+        trainer = fleetc.compile(model, amp_strategy(**configs), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                 loss_fn=torch.nn.functional.cross_entropy)
+        trainer.step(torch.randn(8, 32), torch.randint(0, 10, (8,)))
+        return trainer
+    default, off = program(), program(use_fp16_guard=False)
+    assert str(default.program) == str(off.program)
+    for trainer in (default, off):
+        assert any("not applicable without use_pure_fp16" in n for n in trainer.report().notes["amp"])
