@@ -207,6 +207,8 @@ class _Converter:
             if isinstance(desc, PlainAOTOutput):
                 key = LOSS_VAR if self._has_tangent() else f"{OUTPUT_VAR}.{desc.idx}"
                 self.program.fetches[key] = self.bind_result(self.arg(value), key, "", OpRole.FORWARD)
+            elif isinstance(desc, InputMutationAOTOutput) and isinstance(desc.mutated_input, PlainAOTInput):
+                self._input_write(desc.mutated_input, value)
             elif isinstance(desc, InputMutationAOTOutput):
                 mutations.append((self.name_of(desc.mutated_input.target), self.arg(value)))
             elif isinstance(desc, GradAOTOutput) and value is not None and isinstance(desc.grad_of, PlainAOTInput):
@@ -224,6 +226,14 @@ class _Converter:
             name = self.bind_result(ref, grad_name(feed), "", OpRole.BACKWARD)
             self.program.fetches[f"{INPUT_GRAD_FETCH}{feed}"] = name
         self.flush_renames()
+
+    def _input_write(self, written: PlainAOTInput, value: Any) -> None:
+        """A step argument written in place: the compiled step cannot hand the write back to the caller's tensor."""
+        trace = value.meta.get("stack_trace") if isinstance(value, torch.fx.Node) else None
+        where = f" at {source}" if (source := user_frame_from_stack_trace(trace)) else ""
+        raise CaptureError(f"the step writes its input {self.feed_names[written.idx]!r} in place{where}; fleetc "
+                           "does not write back into the caller's tensors: use an out-of-place op (x = x * 2 "
+                           "instead of x.mul_(2)) or clone the input first")
 
     def _has_tangent(self) -> bool:
         return "tangent" in self.env.values()

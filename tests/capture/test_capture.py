@@ -121,12 +121,43 @@ class _ReturnsObject(nn.Module):
         return SimpleNamespace(loss=F.mse_loss(self.fc(x), y), logits=None)
 
 
-def test_loss_from_attribute_and_plain_tensor():
-    for model, args in ((_ReturnsObject(), (torch.randn(3, 4), torch.randn(3, 1))),):
-        reference = copy.deepcopy(model)
-        trainer = fleetc.compile(model)
-        loss = trainer.step(*args)
-        torch.testing.assert_close(loss, reference(*args).loss.detach())
+class _ReturnsTensor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 1)
+
+    def forward(self, x, y):
+        return F.mse_loss(self.fc(x), y)
+
+
+@pytest.mark.parametrize("make_model,loss_of", [(_ReturnsObject, lambda out: out.loss),
+                                                (_ReturnsTensor, lambda out: out)], ids=["attribute", "plain_tensor"])
+def test_loss_from_attribute_and_plain_tensor(make_model, loss_of):
+    torch.manual_seed(0)
+    model = make_model()
+    args = (torch.randn(3, 4), torch.randn(3, 1))
+    reference = copy.deepcopy(model)
+    loss = fleetc.compile(model).step(*args)
+    torch.testing.assert_close(loss, loss_of(reference(*args)).detach())
+
+
+class _WritesItsInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        x.mul_(2)
+        return self.fc(x)
+
+
+def test_an_in_place_write_to_a_step_input_is_a_capture_error_with_the_line():
+    model = _WritesItsInput()
+    trainer = fleetc.compile(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=F.mse_loss)
+    with pytest.raises(fleetc.CaptureError) as info:
+        trainer.step(torch.randn(3, 4), torch.randn(3, 2))
+    line = _WritesItsInput.forward.__code__.co_firstlineno + 1
+    assert "writes its input 'x' in place" in str(info.value) and f"test_capture.py:{line}" in str(info.value)
 
 
 def test_model_returning_wrong_type_without_loss_fn_is_explained():
