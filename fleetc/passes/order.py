@@ -31,6 +31,7 @@ from fleetc.passes.gradient_merge import GradientMerge
 from fleetc.passes.optimizers import AdaptiveLocalSGD, GradClip, GradientClip, Lamb, Lars, LocalSGD
 from fleetc.passes.precision import AutoMixedPrecision
 from fleetc.passes.recompute import Recompute, RecomputePolicy
+from fleetc.strategy.distributed import DISTRIBUTED_SCHEMA
 
 # The pass order, one line of why per pass. A pass with `enabled_by` runs when that strategy field is True; the
 # others are always in the order and decide for themselves (the data-parallel passes do nothing in one process).
@@ -119,10 +120,34 @@ _EXECUTION = (
 )
 
 
+# Settings with nothing to act on in fleetc's compiled step: (dotted field, default, why nothing changes).
+_NOTHING_TO_ACT_ON = (
+    ("recompute_configs.checkpoint_shape", (), "it describes checkpoints offloaded to host memory, and "
+     "offloading is not implemented"),
+    ("find_unused_parameters", False, "the captured step knows which parameters get no gradient, so nothing has "
+     "to look for them at run time (their allreduce is left out)"),
+    ("cudnn_exhaustive_search", False, "fleetc does not choose cuDNN algorithms; torch.backends.cudnn.benchmark "
+     "is left as you set it"),
+    ("conv_workspace_size_limit", 512, "fleetc does not size cuDNN workspaces; PyTorch chooses them"),
+    ("cudnn_batchnorm_spatial_persistent", False, "fleetc does not pick cuDNN batch-norm modes; PyTorch does"),
+    ("build_strategy.enable_backward_optimizer_op_deps", True, "ops run in Program order, where every optimizer op "
+     "already follows the backward ops it reads"),
+    ("build_strategy.cache_runtime_context", False, "the generated step has no per-op runtime context to cache"),
+)
+
+
+def _unused_settings(config: Any, switch: str) -> str:
+    """For a switch that is not applied: its `<switch>_configs` values that differ from the defaults, in words."""
+    section = f"{switch}_configs"
+    changed = [f"{path.removeprefix(section + '.')}={config.get(path)!r}" for path, default in
+               DISTRIBUTED_SCHEMA.defaults.items() if path.startswith(section + ".") and config.get(path) != default]
+    return f"; so {section} ({', '.join(changed)}) is not used either" if changed else ""
+
+
 def strategy_requests_without_pass(config: Any) -> dict[str, str]:
     """Fields set in `config` that this version does not act on → why nothing changed."""
-    notes = {field: f"not applied: {what} is not implemented in this version of fleetc"
+    notes = {field: f"not applied: {what} is not implemented in this version of fleetc{_unused_settings(config, field)}"
              for field, what in _PENDING if _lookup(config, field) is True}
-    notes.update({field: f"not applied: {why}" for field, default, why in _EXECUTION
+    notes.update({field: f"not applied: {why}" for field, default, why in _EXECUTION + _NOTHING_TO_ACT_ON
                   if _lookup(config, field) != default})
     return notes

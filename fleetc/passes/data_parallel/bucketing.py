@@ -167,6 +167,7 @@ class FuseAllreduce:
         block.ops = ops
         report.stats["allreduces_before"] = report.stats.get("allreduces_before", 0) + len(starts)
         report.changed = True
+        _note_limits(report, config)
         return program, report
 
     def _fuse_update_block(self, program: Program, config: Any, report: PassReport) -> None:
@@ -185,4 +186,14 @@ class FuseAllreduce:
         report.stats["allreduces_before"] = len(starts)
         note_moved(program, report, len(buckets))
         report.changed = True
+        _note_limits(report, config)
+
+
+def _note_limits(report: PassReport, config: Any) -> None:
+    """The bucket limits in force, so a changed limit shows in the report even when the buckets come out the same."""
+    note = (f"a bucket closes at fuse_grad_size_in_MB={config.fuse_grad_size_in_MB} MB or "
+            f"fuse_grad_size_in_TFLOPS={config.fuse_grad_size_in_TFLOPS} gradients; the first of each dtype at "
+            f"last_comm_group_size_MB={config.last_comm_group_size_MB} MB")
+    if note not in report.notes:
+        report.notes.append(note)
 
