@@ -32,6 +32,7 @@ from fleetc.passes.optimizers import AdaptiveLocalSGD, GradClip, GradientClip, L
 from fleetc.passes.precision import AutoMixedPrecision
 from fleetc.passes.recompute import Recompute, RecomputePolicy
 from fleetc.strategy.distributed import DISTRIBUTED_SCHEMA
+from fleetc.strategy.fields import PADDLE_ONLY_PATHS
 
 # The pass order, one line of why per pass. A pass with `enabled_by` runs when that strategy field is True; the
 # others are always in the order and decide for themselves (the data-parallel passes do nothing in one process).
@@ -150,4 +151,7 @@ def strategy_requests_without_pass(config: Any) -> dict[str, str]:
              for field, what in _PENDING if _lookup(config, field) is True}
     notes.update({field: f"not applied: {why}" for field, default, why in _EXECUTION + _NOTHING_TO_ACT_ON
                   if _lookup(config, field) != default})
+    notes.update({path: f"not applied: a Paddle setting fleetc accepts but does not implement "
+                        f"({DISTRIBUTED_SCHEMA.fields[path].doc.removeprefix('Paddle: ')})"
+                  for path in sorted(PADDLE_ONLY_PATHS) if config.get(path) != DISTRIBUTED_SCHEMA.defaults[path]})
     return notes

@@ -225,3 +225,11 @@ NEW_STYLE: tuple[tuple[str, bool, tuple[tuple[str, str | Field], ...]], ...] = (
     ("amp", False, _flag_and_configs("amp", AMP_CONFIGS)),
     ("recompute", False, _flag_and_configs("recompute", RECOMPUTE_CONFIGS)),
 )
+
+# Paddle proto fields fleetc accepts with Paddle's defaults and reports as not applied, so that a prototxt Paddle
+# wrote loads (fleetc/strategy/paddle_only.py; imported here, after the tables it extends).
+from fleetc.strategy.paddle_only import extended_section, paddle_only_paths, with_paddle_fields  # noqa: E402
+
+BUILD_STRATEGY = extended_section(BUILD_STRATEGY)
+DISTRIBUTED = with_paddle_fields(DISTRIBUTED)
+PADDLE_ONLY_PATHS = paddle_only_paths()

@@ -63,7 +63,7 @@ def good_value(field: Field) -> Any:
     if isinstance(kind, Checkpoints):
         return ["x", "y"]
     if isinstance(kind, ListOf):
-        return ["alpha", "beta"] if kind.item is str else [2, 3]
+        return {str: ["alpha", "beta"], int: [2, 3], float: [0.5, 0.25]}[kind.item]
     raise AssertionError(f"no sample for {field.name}")
 
 
