@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from fleetc.strategy import prototxt
 from fleetc.strategy.atomic import write_atomically
 from fleetc.strategy.fields import DISTRIBUTED
 from fleetc.strategy.schema import Schema
+from fleetc.strategy.textformat import read_source
 from fleetc.strategy.views import BuildStrategy, ExecutionStrategy, FieldView
 
 DISTRIBUTED_SCHEMA = Schema("DistributedStrategy", DISTRIBUTED)
@@ -38,5 +38,5 @@ class DistributedStrategy(FieldView, schema=DISTRIBUTED_SCHEMA,
         Unlike protobuf's merge, a repeated field in the file replaces the current list instead of
         extending it.
         """
-        text = Path(pb_file).read_text(encoding="utf-8")
+        text = read_source(pb_file)
         self._record.apply(prototxt.read(self._schema, text, source=os.fspath(pb_file)))

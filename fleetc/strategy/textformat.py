@@ -9,8 +9,10 @@ names mean is not this module's business.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fleetc.errors import StrategyError
@@ -58,6 +60,24 @@ class _Token:
     line: int
 
 
+MAX_DEPTH = 16  # strategy files nest two levels; deeper input is refused before it can exhaust the stack
+
+
+def read_source(path: str | os.PathLike[str]) -> str:
+    """The UTF-8 text of a strategy file; an unreadable or undecodable file is a StrategyError naming it
+    (and the line of the first bad byte)."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise StrategyError(f"{os.fspath(path)}: cannot read the strategy file: {exc.strerror or exc}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise StrategyError(f"{os.fspath(path)}:{line}: not UTF-8 text (byte {data[exc.start]:#04x}); "
+                            "a strategy file is prototxt or JSON text") from None
+
+
 def parse(text: str, source: str) -> tuple[Entry, ...]:
     """Parse a whole text-format message; errors are StrategyError naming ``source:line``."""
     return _Parser(_tokenize(text, source), source).message(closing=None)
@@ -102,6 +122,7 @@ class _Parser:
         self.tokens = tokens
         self.pos = 0
         self.source = source
+        self.depth = 0
 
     def error(self, message: str, token: _Token) -> StrategyError:
         return StrategyError(f"{self.source}:{token.line}: {message}")
@@ -140,7 +161,11 @@ class _Parser:
         has_colon = self.take_punct(":") is not None
         opening = self.take_punct("{", "<")
         if opening:
+            if self.depth == MAX_DEPTH:
+                raise self.error(f"blocks nested more than {MAX_DEPTH} levels deep", opening)
+            self.depth += 1
             children = self.message(closing=_CLOSING[opening.text])
+            self.depth -= 1
             return [Entry(name.text, name.line, children=children)]
         if not has_colon:
             raise self.error(f"expected ':' or '{{' after {name.text!r}", self.peek())
@@ -182,7 +207,10 @@ class _Parser:
             if octal or hex_byte:
                 data.append(int(octal, 8) if octal else int(hex_byte, 16))
             elif short_code or long_code:
-                data += chr(int(short_code or long_code, 16)).encode("utf-8")
+                code = int(short_code or long_code, 16)
+                if code > 0x10FFFF or 0xD800 <= code <= 0xDFFF:
+                    raise self.error(f"invalid unicode escape '{match.group()}' in string", token)
+                data += chr(code).encode("utf-8")
             elif simple in _SIMPLE_ESCAPES:
                 data += _SIMPLE_ESCAPES[simple].encode("utf-8")
             else:

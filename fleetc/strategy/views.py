@@ -101,9 +101,11 @@ class FieldView(display.ShowsChanges):
     def from_json(cls: type[ViewT], text: str) -> ViewT:
         """A new object from JSON text as ``to_json`` writes it."""
         try:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_refuse_duplicate_keys)
         except json.JSONDecodeError as exc:
             raise StrategyError(f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+        except RecursionError:
+            raise StrategyError("invalid JSON: nested too deeply (a strategy nests two levels)") from None
         return cls.from_dict(data)
 
     def __eq__(self, other: object) -> bool:
@@ -177,3 +179,13 @@ class ExecutionStrategy(FieldView, schema=Schema("ExecutionStrategy", EXECUTION_
     """Executor settings, as in Paddle's ExecutionStrategy: threads, scope dropping, iterations per call."""
 
     __slots__ = ()
+
+
+def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object as a dict; a key given twice is an error (json.loads would keep the last one silently)."""
+    data: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in data:
+            raise StrategyError(f"key {key!r} is given twice")
+        data[key] = value
+    return data

@@ -7,6 +7,7 @@ import os
 import pytest
 
 from fleetc.errors import StrategyError
+from fleetc.passes.order import strategy_requests_without_pass
 from fleetc.strategy import (
     BuildStrategy,
     DistributedStrategy,
@@ -332,3 +333,85 @@ def test_bad_json_file_names_the_file(tmp_path, content, message):
         load_strategy_file(path)
     assert str(path) in str(info.value)
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize(("name", "content", "where", "message"), [
+    ("bad.json", b'{"gradient_merge": true,\n "gradient_merge_configs": {"k_steps": 0}}', ":2:", "k_steps must be >= 1"),
+    ("bad.json", b'{"amp": true,\n\n "amp": false}', ":3:", "key 'amp' is given twice"),
+    ("bad.json", b'{"amp_configs": {"init_loss_scaling": NaN}}', ":1:", "must be a finite number"),
+    ("bad.json", b'{\n"gradient_merg": true}', ":2:", "did you mean 'gradient_merge'"),
+    ("bad.json", b"[" * 100_000 + b"]" * 100_000, ":", "nested too deeply"),
+    ("bad.json", b'{"amp": true}\n\xff\xfe', ":2:", "not UTF-8"),
+    ("bad.prototxt", b"amp: true\n\xc3\x28\n", ":2:", "not UTF-8"),
+    ("bad.prototxt", b"a {" * 5000 + b"}" * 5000, ":1:", "nested more than 16 levels"),
+    ("bad.prototxt", b"amp: true\x00\n", ":1:", "unexpected character"),
+    ("bad.prototxt", b'\nrecompute_configs { checkpoints: "\\ud800" }\n', ":2:", "invalid unicode escape"),
+    ("bad.prototxt", b'recompute_configs { checkpoints: "\\U00110000" }\n', ":1:", "invalid unicode escape"),
+    ("bad.prototxt", b"amp_configs { init_loss_scaling: 1e999 }\n", ":1:", "finite number"),
+    ("bad.prototxt", b"amp_configs < init_loss_scaling: 2 }\n", ":1:", "expected a field name"),
+])
+def test_hostile_files_are_strategy_errors_naming_file_and_line(tmp_path, name, content, where, message):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(StrategyError) as info:
+        load_strategy_file(path)
+    assert f"{path}{where}" in str(info.value) and message in str(info.value)
+    if name.endswith(".prototxt"):
+        with pytest.raises(StrategyError, match=message):
+            DistributedStrategy().load_from_prototxt(path)
+
+
+def test_a_missing_file_or_a_directory_is_a_strategy_error_naming_it(tmp_path):
+    for path in (tmp_path / "missing.prototxt", tmp_path):
+        with pytest.raises(StrategyError, match=f"{path}: cannot read the strategy file"):
+            load_strategy_file(path)
+
+
+PADDLE_WRITTEN = """mode: COLLECTIVE
+amp: true
+dgc: false
+fp16_allreduce: true
+without_graph_optimization: true
+amp_configs {
+  init_loss_scaling: 32768.0
+  use_pure_fp16: false
+  use_fp16_guard: true
+  use_pure_bf16: false
+}
+dgc_configs {
+  rampup_begin_step: 0
+  rampup_step: 1
+  sparsity: 0.999
+}
+sharding_configs {
+  sharding_segment_strategy: "segment_broadcast_MB"
+  mp_degree: 2
+}
+build_strategy {
+  enable_addto: true
+  memory_optimize: false
+  fuse_resunit: false
+}
+tensor_parallel: false
+tensor_parallel_configs { tensor_parallel_degree: 1 tensor_init_seed: -1 }
+qat: false
+heter_ccl_mode: false
+semi_auto: false
+asp: false
+gradient_scale_configs { scale_strategy: "avg" scale_gradient: false }
+"""
+
+
+def test_a_prototxt_with_paddle_only_fields_loads_and_they_are_reported_as_not_applied(tmp_path):
+    path = tmp_path / "paddle.prototxt"
+    path.write_text(PADDLE_WRITTEN)
+    strategy = load_strategy_file(path)
+    assert strategy.mode == "COLLECTIVE" and strategy.fp16_allreduce is True
+    assert strategy.dgc_configs["sparsity"] == [0.999] and strategy.build_strategy.enable_addto is True
+    skipped = strategy_requests_without_pass(resolve_strategy(strategy))
+    assert set(skipped) == {"fp16_allreduce", "sharding_configs.mp_degree", "build_strategy.enable_addto",
+                            "dgc_configs.sparsity"}
+    assert all(why.startswith("not applied: a Paddle setting") for why in skipped.values())
+    path.write_text("fp16_allreduc: true\n")
+    with pytest.raises(StrategyError, match=r":1: .*did you mean 'fp16_allreduce'"):
+        load_strategy_file(path)
