@@ -18,6 +18,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fleetc.capture.fp16_guard import ATTR as FP16_GUARD
+from fleetc.capture.to_program import grad_name
 from fleetc.errors import PassError
 from fleetc.ir.liveness import aliased_input
 from fleetc.ir.program import Op, OpRole, Program, Ref, Var, VarKind, map_refs
@@ -229,6 +230,8 @@ class AutoMixedPrecision:
         missing = sorted(n for n in black_vars if program.find_var(n) is None)
         if missing:
             report.notes.append(f"amp_configs.custom_black_varnames: no Var named {missing} in this Program")
+        # A black Var's gradient is computed by its forward op's backward: that stays float32 too, as in Paddle.
+        black_vars |= {grad_name(name) for name in black_vars if program.find_var(grad_name(name)) is not None}
         guarded_only = cfg.use_pure_fp16 and cfg.use_fp16_guard
         guarded = [op for op in program.global_block.ops if op.attrs.get(FP16_GUARD)]
         if not cfg.use_pure_fp16 and ("amp_configs.use_fp16_guard" in config.explicit_fields or guarded):

@@ -52,7 +52,8 @@ def test_gpt_with_dropout_matches_eager_and_recompute_off(gpt_off, checkpoints):
     assert stats["peak_bytes_after"] < stats["peak_bytes_before"]
     memory = run.trainer.memory_stats()
     estimated, measured = memory["estimated_peak_bytes"], memory["measured_peak_bytes"]
-    assert abs(estimated - measured) <= 0.10 * measured, (estimated, measured)
+    # bench/README.md: within 0.2% on the 12-layer GPT; on this tiny one a few KiB of small values weigh ~0.8%
+    assert abs(estimated - measured) <= 0.01 * measured, (estimated, measured)
     assert measured < gpt_off.trainer.memory_stats()["measured_peak_bytes"]
     ops = run.trainer.program.global_block.ops
     recomputed = [op for op in ops if op.attrs.get("provenance") == "recompute"]
