@@ -16,6 +16,7 @@ from fleetc.passes.base import PassReport
 from fleetc.passes.instruments import VisitCountInstrument
 from fleetc.passes.manager import History, PassManager, PassRecord
 from fleetc.passes.order import ordered_passes
+from fleetc.runtime.executor import Executable
 from fleetc.strategy import resolve_conflicts, resolve_strategy
 
 DIM, HEADS, FF, SEQ, BATCH = 64, 4, 128, 32, 4
@@ -55,15 +56,22 @@ def all_passes_strategy() -> fleetc.DistributedStrategy:
 STRATEGIES = {"default": lambda: None, "all_passes": all_passes_strategy}
 
 
-def stage_visits(depth: int, strategy_name: str) -> dict[str, int]:
-    """{stage: Op/Var attribute reads} for one compile: `capture` (fleetc's part of it) and every pass."""
+def stage_visits(depth: int, strategy_names: tuple[str, ...] = tuple(STRATEGIES)) -> dict[str, dict[str, int]]:
+    """{strategy: {stage: Op/Var attribute reads}} for compiles of one captured Program: `capture` (fleetc's part
+    of it; the same Program serves every strategy, as capture does not depend on the strategy), every pass, and
+    `codegen` (building the Executable)."""
     model, optimizer, batch = encoder_and_batch(depth)
-    config, _ = resolve_conflicts(resolve_strategy(STRATEGIES[strategy_name]()))
+    results = {}
     with count_visits() as counter:
-        program = capture_train_program(model, None, optimizer, batch, {})
-        visits = {"capture": counter.total}
-        instrument = VisitCountInstrument(counter)
-        history = History([PassRecord("capture", program, PassReport("capture"), 0.0, estimate_memory(program))])
-        PassManager(ordered_passes(config), [instrument]).run(program, config, history)
-    visits.update(instrument.visits)
-    return visits
+        captured = capture_train_program(model, None, optimizer, batch, {})
+        capture = counter.total
+        for name in strategy_names:
+            config, _ = resolve_conflicts(resolve_strategy(STRATEGIES[name]()))
+            instrument = VisitCountInstrument(counter)
+            program = captured.clone()
+            history = History([PassRecord("capture", program, PassReport("capture"), 0.0, estimate_memory(program))])
+            final = PassManager(ordered_passes(config), [instrument]).run(program, config, history)
+            start = counter.total
+            Executable(final)
+            results[name] = {"capture": capture, **instrument.visits, "codegen": counter.total - start}
+    return results

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from fleetc.ir.liveness import block_reads
 from fleetc.ir.program import Block, Op, Program, Ref, VarKind, map_refs
 from fleetc.ir.registry import resolve_callable
+from fleetc.ir.usedef import Names, UseDef
 from fleetc.ops.fused_elementwise import OPERAND_PREFIX, operand, short_op_name
 from fleetc.ops.pointwise import REDUCTIONS, can_lower
 from fleetc.passes.base import PassReport
@@ -168,11 +168,12 @@ class AutoFusion:
         report = PassReport(self.name)
         choices = self.choices or _current_choices
         fused_index = 0
+        names = Names(program)
         for block in program.blocks:
             groups = [g for g in self._form_groups(program, block, choices) if choices.worth_fusing(g)]
             if not groups:
                 continue
-            fused_index = self._rewrite(program, block, groups, fused_index, report)
+            fused_index = self._rewrite(program, UseDef(program, block), groups, fused_index, names, report)
         if not report.stats:
             report.skipped_reason = ("no chain of pointwise ops to fuse: no pointwise op reads another's result "
                                      "within one role and device (see FusionChoices)")
@@ -228,8 +229,7 @@ class AutoFusion:
         return True
 
     # ----- rewriting ---------------------------------------------------------------------------
-    def _fused_op(self, program: Program, block: Block, group: FusionGroup, index: int,
-                  read_outside: set[str]) -> Op:
+    def _fused_op(self, group: FusionGroup, index: int, read_outside: set[str], names: Names) -> Op:
         ops = group.ops()
         values: dict[str, int] = {}
         inputs: list[str] = []
@@ -247,7 +247,7 @@ class AutoFusion:
             values[op.outputs[0]] = len(inputs) + len(steps) - 1
         outputs = [op.outputs[0] for op in ops if op.outputs[0] in read_outside]
         kinds = list(dict.fromkeys(short_op_name(op.type) for op in ops))
-        name = program.unique_name(f"fused_{'_'.join(kinds[:4])}_{index}")
+        name = names.fresh(f"fused_{'_'.join(kinds[:4])}_{index}")
         attrs = {"op_role": int(ops[0].role), "module_path": _common_module_path(ops),
                  "provenance": self.name, "fused_ops": [op.name for op in ops]}
         for key in ("op_device", "source", "forward_op"):
@@ -258,36 +258,25 @@ class AutoFusion:
                   {"steps": tuple(steps), "results": tuple(values[n] for n in outputs), "name": name},
                   outputs, attrs)
 
-    def _rewrite(self, program: Program, block: Block, groups: list[FusionGroup], index: int,
+    def _rewrite(self, program: Program, usedef: UseDef, groups: list[FusionGroup], index: int, names: Names,
                  report: PassReport) -> int:
-        member_of = {i: g for g in groups for i in g.members}
-        readers: dict[str, set[int]] = {}
-        for i, op in enumerate(block.ops):
-            for name in block_reads(program, op):
-                readers.setdefault(name, set()).add(i)
+        """Replace each group read from outside by its fused op, standing where the group's first op stood."""
         fetched = set(program.fetches.values())
-        fused_at: dict[int, Op] = {}
         replaced: dict[str, str] = {}
         for group in groups:
+            ops = group.ops()
+            members = {id(op) for op in ops}
             read_outside = {n for n in group.defined
-                            if n in fetched or any(member_of.get(r) is not group for r in readers.get(n, ()))}
+                            if n in fetched or any(id(r) not in members for r in usedef.readers.get(n, ()))}
             if not read_outside:  # a dead chain: left as it is for dead-code elimination to drop
-                for i in group.members:
-                    del member_of[i]
                 continue
-            fused = self._fused_op(program, block, group, index, read_outside)
+            fused = self._fused_op(group, index, read_outside, names)
             index += 1
-            fused_at[group.members[0]] = fused
-            replaced.update({op.name: fused.name for op in group.ops()})
+            usedef.replace(ops, fused, usedef.position[ops[0].name])
+            replaced.update({op.name: fused.name for op in ops})
             report.count("groups")
             report.count("ops_fused", len(group.members))
             report.count("reductions_fused", int(group.closed))
-        new_ops = []
-        for i, op in enumerate(block.ops):
-            if i in fused_at:
-                new_ops.append(fused_at[i])
-            if i not in member_of:
-                new_ops.append(op)
-        block.ops = new_ops
+        usedef.compact()
         program.repoint_forward_ops(replaced)
         return index
