@@ -46,8 +46,9 @@ def _timed(module, attr: str, bucket: dict, key: str) -> None:
 
 
 def _one_compile(depth: int, strategy_name: str) -> dict:
-    import fleetc
     from helpers.scaling import STRATEGIES, encoder_and_batch
+
+    import fleetc
 
     model, optimizer, batch = encoder_and_batch(depth)
     trainer = fleetc.compile(model, STRATEGIES[strategy_name](), optimizer=optimizer)

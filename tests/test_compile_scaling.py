@@ -11,7 +11,6 @@ from __future__ import annotations
 import sys
 
 import pytest
-
 from helpers.scaling import STRATEGIES, encoder_and_batch, stage_visits
 
 from fleetc.capture import capture_train_program

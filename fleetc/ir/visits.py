@@ -10,7 +10,7 @@ the classes are untouched and cost nothing.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 from fleetc.ir.program import Op, Var
 

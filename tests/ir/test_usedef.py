@@ -90,13 +90,10 @@ def test_fresh_names():
 def test_visit_counter_counts_only_while_active():
     program = _program()
     with count_visits() as counter:
-        for op in program.global_block.ops:
-            op.inputs
-        with pytest.raises(RuntimeError, match="does not nest"):
-            with count_visits():
-                pass
+        read = [op.inputs for op in program.global_block.ops]
+        with pytest.raises(RuntimeError, match="does not nest"), count_visits():
+            pass
     counted = counter.total
     assert counted >= 6  # each op: args and kwargs
-    for op in program.global_block.ops:
-        op.inputs
+    assert [op.inputs for op in program.global_block.ops] == read
     assert counter.total == counted and "__getattribute__" not in Op.__dict__

@@ -12,6 +12,7 @@ op between the group's start and it writes a persistable Var it reads.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -170,10 +171,11 @@ class AutoFusion:
         fused_index = 0
         names = Names(program)
         for block in program.blocks:
-            groups = [g for g in self._form_groups(program, block, choices) if choices.worth_fusing(g)]
+            usedef = UseDef(program, block)
+            groups = [g for g in self._form_groups(program, usedef, choices) if choices.worth_fusing(g)]
             if not groups:
                 continue
-            fused_index = self._rewrite(program, UseDef(program, block), groups, fused_index, names, report)
+            fused_index = self._rewrite(program, usedef, groups, fused_index, names, report)
         if not report.stats:
             report.skipped_reason = ("no chain of pointwise ops to fuse: no pointwise op reads another's result "
                                      "within one role and device (see FusionChoices)")
@@ -183,8 +185,11 @@ class AutoFusion:
         return program, report
 
     # ----- grouping ----------------------------------------------------------------------------
-    def _form_groups(self, program: Program, block: Block, choices: FusionChoices) -> list[FusionGroup]:
-        definer = {name: i for i, op in enumerate(block.ops) for name in op.defined}
+    def _form_groups(self, program: Program, usedef: UseDef, choices: FusionChoices) -> list[FusionGroup]:
+        """Grow groups in program order; positions and definers come from the block's use-def index."""
+        block = usedef.block
+        definer = {name: usedef.position[writers[0].name] for name, writers in usedef.writers.items()}
+        owners = [i for i, op in enumerate(block.ops) if op.sub_block is not None]
         group_of: dict[int, FusionGroup] = {}
         groups: list[FusionGroup] = []
         for i, op in enumerate(block.ops):
@@ -198,8 +203,8 @@ class AutoFusion:
                 group = group_of[p]
                 if reduction and op.args[0].name not in group.defined:
                     continue
-                if choices.can_join(program, group, op, reduction) and self._placeable(program, block, group, i,
-                                                                                       definer):
+                if choices.can_join(program, group, op, reduction) and self._placeable(usedef, group, i, definer,
+                                                                                       owners):
                     group.members.append(i)
                     group.defined.update(op.defined)
                     group.closed = reduction
@@ -213,19 +218,21 @@ class AutoFusion:
                 group_of[i] = group
         return groups
 
-    def _placeable(self, program: Program, block: Block, group: FusionGroup, i: int, definer: dict[str, int]) -> bool:
-        """Op i can move up to the group's first op: its outside inputs exist there and nothing rewrites them."""
+    def _placeable(self, usedef: UseDef, group: FusionGroup, i: int, definer: dict[str, int],
+                   owners: list[int]) -> bool:
+        """Op i can move up to the group's first op: its outside inputs exist there and no op in between (not in
+        the group) rewrites them or owns a sub-block. Asks the use-def index instead of scanning the ops between."""
         start = group.members[0]
-        op = block.ops[i]
-        for name in op.inputs:
-            if name in group.defined:
-                continue
-            if definer.get(name, -1) >= start and program.var(name, block.idx).kind is VarKind.TEMP:
+        outside = [n for n in usedef.block.ops[i].inputs if n not in group.defined]
+        if outside and bisect.bisect_left(owners, start) < bisect.bisect_left(owners, i):
+            return False  # sub-block owners are never pointwise, so never group members
+        members = set(group.members)
+        for name in outside:
+            if definer.get(name, -1) >= start and usedef.program.var(name, usedef.block.idx).kind is VarKind.TEMP:
                 return False
-            for j in range(start, i):
-                other = block.ops[j]
-                if j not in group.members and (name in other.defined or other.sub_block is not None):
-                    return False
+            if any(start <= usedef.position[w.name] < i and usedef.position[w.name] not in members
+                   for w in usedef.writers.get(name, ())):
+                return False
         return True
 
     # ----- rewriting ---------------------------------------------------------------------------
