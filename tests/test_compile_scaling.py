@@ -3,8 +3,8 @@ counts, not times; fleetc.ir.visits) for a 32-layer nn.TransformerEncoder are at
 with the default strategy and with every fusion + recompute "auto" (issue 25).
 
 The recompute min-cut runs in networkx, which the visit counter does not see; its Python function calls are
-counted instead. The memory-budget search (`recompute_configs.memory_budget_mb`) is not covered: it evaluates one
-candidate plan per repeated block, each over the whole forward region, so it grows with depth squared.
+counted instead. The memory-budget search (`recompute_configs.memory_budget_mb`) is not covered: it builds about two
+candidate plans per repeated block, each over the whole forward region, so it grows superlinearly (docs/ir.md).
 """
 from __future__ import annotations
 
