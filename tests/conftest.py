@@ -14,6 +14,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from zoo import OPTIMIZERS, ZOO  # noqa: E402
 
 import fleetc  # noqa: E402
+import fleetc.ir.usedef  # noqa: E402
+
+fleetc.ir.usedef.CHECK = True  # every use-def index is verified against its block when a pass writes it back
 
 
 def eager_step(model, optimizer, loss_fn, args, kwargs) -> torch.Tensor:

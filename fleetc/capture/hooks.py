@@ -22,6 +22,7 @@ from fleetc.capture.to_program import grad_name, rename_temporaries, splice_grap
 from fleetc.capture.trace import user_location
 from fleetc.errors import CaptureError
 from fleetc.ir.program import OpRole, Program, Ref
+from fleetc.ir.usedef import Names
 
 # (attribute on nn.Module, words); hooks with kwargs or always_call live in these dicts too.
 MODULE_HOOKS = (("_forward_pre_hooks", "forward pre-hooks"), ("_forward_hooks", "forward hooks"),
@@ -124,24 +125,35 @@ def _trace_hooks(name: str, param: torch.Tensor, hooks: list[Callable],
 
 def trace_gradient_hooks(program: Program, model: nn.Module) -> None:
     """Splice every parameter's gradient and post-accumulate-grad hooks in after its gradient: the hooked value
-    becomes `<param>@GRAD` (the raw one `<param>@GRAD@BEFORE_HOOKS`) so everything after reads the hooked value."""
+    becomes `<param>@GRAD` (the raw one `<param>@GRAD@BEFORE_HOOKS`) so everything after reads the hooked value.
+
+    The renames of all hooked gradients are applied together, before and after the splices (one pass over the
+    ops each, not two per parameter)."""
+    traced = []
     for name, param in model.named_parameters():
         hooks = list((getattr(param, "_backward_hooks", None) or {}).values())
         post_hooks = list((getattr(param, "_post_accumulate_grad_hooks", None) or {}).values())
-        fetch = f"grad:{name}"
-        if not (hooks or post_hooks) or fetch not in program.fetches:
+        if not (hooks or post_hooks) or f"grad:{name}" not in program.fetches:
             continue  # no gradient reaches the parameter: eager runs none of its hooks either
-        gm = _trace_hooks(name, param, hooks, post_hooks)
-        raw = f"{grad_name(name)}@BEFORE_HOOKS"
-        rename_temporaries(program, {program.fetches[fetch]: raw})
+        traced.append((name, hooks + post_hooks, _trace_hooks(name, param, hooks, post_hooks)))
+    if not traced:
+        return
+    raw = {name: f"{grad_name(name)}@BEFORE_HOOKS" for name, _, _ in traced}
+    rename_temporaries(program, {program.fetches[f"grad:{name}"]: raw[name] for name, _, _ in traced})
+    names = Names(program)
+    hooked: dict[str, str] = {}
+    for name, all_hooks, gm in traced:
         attrs = {"op_role": int(OpRole.BACKWARD), "module_path": name.rpartition(".")[0], "provenance": "hooks"}
         try:
-            (result,) = splice_graph(program, gm, [Ref(name), Ref(raw)], prefix=f"{name}.grad_hook", attrs=attrs)
+            (result,) = splice_graph(program, gm, [Ref(name), Ref(raw[name])], prefix=f"{name}.grad_hook",
+                                     attrs=attrs, names=names)
         except CaptureError as exc:
-            raise _untraceable(name, hooks + post_hooks, str(exc)) from exc
+            raise _untraceable(name, all_hooks, str(exc)) from exc
         # Hooks that leave the gradient as it is (observers) give back the raw value: it keeps its name.
-        rename_temporaries(program, {result.name: grad_name(name)})
-        program.fetches[fetch] = grad_name(name)
+        hooked[result.name] = grad_name(name)
+    rename_temporaries(program, hooked)
+    for name, _, _ in traced:
+        program.fetches[f"grad:{name}"] = grad_name(name)
 
 
 def optimizer_step_hooks(optimizer: torch.optim.Optimizer | None) -> tuple[list[Callable], list[Callable]]:

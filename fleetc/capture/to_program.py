@@ -20,6 +20,7 @@ from fleetc.capture.step_module import MODEL_ATTR
 from fleetc.capture.trace import user_frame_from_stack_trace
 from fleetc.errors import CaptureError
 from fleetc.ir.program import Op, OpRole, Program, Ref, Var, VarKind
+from fleetc.ir.usedef import Names
 
 LOSS_VAR = "loss"
 OUTPUT_VAR = "output"
@@ -303,14 +304,16 @@ def graph_to_program(gm: torch.fx.GraphModule, feed_names: list[str], *, wrapped
 class _Splicer(_Converter):
     """Appends the ops of a functional aten graph (from make_fx) to an existing Program's global block."""
 
-    def __init__(self, program: Program, gm: torch.fx.GraphModule, inputs: list[Ref], prefix: str, attrs: dict):
+    def __init__(self, program: Program, gm: torch.fx.GraphModule, inputs: list[Ref], prefix: str, attrs: dict,
+                 names: Names):
         super().__init__(gm, [], wrapped=False, loss_ops=False, canonical={})
         self.program, self.block = program, program.global_block
         self.inputs, self.prefix, self.fixed_attrs = list(inputs), prefix, attrs
+        self.names = names
         self.results: list[Ref] = []
 
     def node_name(self, node: torch.fx.Node) -> str:
-        return self.program.unique_name(f"{self.prefix}.{node.name}")
+        return self.names.fresh(f"{self.prefix}.{node.name}")
 
     def attrs(self, node: torch.fx.Node) -> dict:
         return dict(self.fixed_attrs)
@@ -324,12 +327,13 @@ class _Splicer(_Converter):
 
 
 def splice_graph(program: Program, gm: torch.fx.GraphModule, inputs: list[Ref], *, prefix: str,
-                 attrs: dict) -> list[Ref]:
+                 attrs: dict, names: Names | None = None) -> list[Ref]:
     """Append `gm`'s ops (a functional aten graph whose placeholders read `inputs`, in order) to `program`, each
     named `<prefix>.<node>` and stamped with `attrs`; returns the Refs of its outputs.
 
-    A node that is not an aten call (a tensor constant the function closed over) raises CaptureError.
+    A node that is not an aten call (a tensor constant the function closed over) raises CaptureError. `names`
+    (the Program's names, shared by several splices) saves rescanning the Program for fresh names.
     """
-    splicer = _Splicer(program, gm, inputs, prefix, attrs)
+    splicer = _Splicer(program, gm, inputs, prefix, attrs, names or Names(program))
     splicer.run()
     return splicer.results

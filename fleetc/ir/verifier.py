@@ -6,7 +6,7 @@ resolve; aten ops write only temporaries, or a persistable their schema updates 
 optimizer update's `exp_avg.lerp_(...)`), and their outputs' shapes and dtypes match what the op
 computes (checked on fake tensors); sub-block references are valid, each sub-block has exactly one
 owner, a conditional_block with one bool condition; within a block no optimize op comes before the
-last backward op that feeds it.
+last backward op that feeds it. `verify_usedef` checks a block's use-def index (fleetc.ir.usedef) against its ops.
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from fleetc.ir.program import (
     map_refs,
 )
 from fleetc.ir.registry import resolve_callable
+from fleetc.ir.usedef import UseDef, check_consistent
 
 CONTEXT_OPS = 2
 
@@ -170,3 +171,11 @@ def _verify_block(program: Program, block: Block, defined: set[str], definer: di
             if problem:
                 raise _fail(program, block, i, problem, after_pass)
         defined.update(op.defined)
+
+
+def verify_usedef(usedef: UseDef, *, after_pass: str | None = None) -> None:
+    """Raise VerificationError when a block's use-def index disagrees with its ops (fleetc.ir.usedef)."""
+    problem = check_consistent(usedef)
+    if problem:
+        where = f" after pass {after_pass!r}" if after_pass else ""
+        raise VerificationError(f"use-def information of block {usedef.block.idx} is stale{where}: {problem}")

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import sys
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from fleetc.ir.program import Program
 from fleetc.ir.verifier import verify
 from fleetc.passes.base import PassReport
+
+if TYPE_CHECKING:
+    from fleetc.ir.visits import VisitCounter
 
 
 class PassInstrument:
@@ -38,3 +41,19 @@ class PrintInstrument(PassInstrument):
             return
         print(f"// ----- after {name} ({seconds * 1000:.1f} ms) -----", file=self.stream)
         print(program, file=self.stream)
+
+
+class VisitCountInstrument(PassInstrument):
+    """Records, per pass, how many Op/Var attribute reads it made (fleetc.ir.visits): a deterministic work
+    measure for scaling tests. Use it inside `count_visits()`, as the first instrument."""
+
+    def __init__(self, counter: VisitCounter):
+        self.counter = counter
+        self.visits: dict[str, int] = {}
+        self._start = 0
+
+    def before_pass(self, name: str, program: Program) -> None:
+        self._start = self.counter.total
+
+    def after_pass(self, name: str, program: Program, report: PassReport, seconds: float) -> None:
+        self.visits[name] = self.counter.total - self._start

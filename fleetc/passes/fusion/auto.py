@@ -12,14 +12,15 @@ op between the group's start and it writes a persistable Var it reads.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from fleetc.ir.liveness import block_reads
 from fleetc.ir.program import Block, Op, Program, Ref, VarKind, map_refs
 from fleetc.ir.registry import resolve_callable
+from fleetc.ir.usedef import Names, UseDef
 from fleetc.ops.fused_elementwise import OPERAND_PREFIX, operand, short_op_name
 from fleetc.ops.pointwise import REDUCTIONS, can_lower
 from fleetc.passes.base import PassReport
@@ -168,11 +169,13 @@ class AutoFusion:
         report = PassReport(self.name)
         choices = self.choices or _current_choices
         fused_index = 0
+        names = Names(program)
         for block in program.blocks:
-            groups = [g for g in self._form_groups(program, block, choices) if choices.worth_fusing(g)]
+            usedef = UseDef(program, block)
+            groups = [g for g in self._form_groups(program, usedef, choices) if choices.worth_fusing(g)]
             if not groups:
                 continue
-            fused_index = self._rewrite(program, block, groups, fused_index, report)
+            fused_index = self._rewrite(program, usedef, groups, fused_index, names, report)
         if not report.stats:
             report.skipped_reason = ("no chain of pointwise ops to fuse: no pointwise op reads another's result "
                                      "within one role and device (see FusionChoices)")
@@ -182,8 +185,11 @@ class AutoFusion:
         return program, report
 
     # ----- grouping ----------------------------------------------------------------------------
-    def _form_groups(self, program: Program, block: Block, choices: FusionChoices) -> list[FusionGroup]:
-        definer = {name: i for i, op in enumerate(block.ops) for name in op.defined}
+    def _form_groups(self, program: Program, usedef: UseDef, choices: FusionChoices) -> list[FusionGroup]:
+        """Grow groups in program order; positions and definers come from the block's use-def index."""
+        block = usedef.block
+        definer = {name: usedef.position[writers[0].name] for name, writers in usedef.writers.items()}
+        owners = [i for i, op in enumerate(block.ops) if op.sub_block is not None]
         group_of: dict[int, FusionGroup] = {}
         groups: list[FusionGroup] = []
         for i, op in enumerate(block.ops):
@@ -197,8 +203,8 @@ class AutoFusion:
                 group = group_of[p]
                 if reduction and op.args[0].name not in group.defined:
                     continue
-                if choices.can_join(program, group, op, reduction) and self._placeable(program, block, group, i,
-                                                                                       definer):
+                if choices.can_join(program, group, op, reduction) and self._placeable(usedef, group, i, definer,
+                                                                                       owners):
                     group.members.append(i)
                     group.defined.update(op.defined)
                     group.closed = reduction
@@ -212,24 +218,25 @@ class AutoFusion:
                 group_of[i] = group
         return groups
 
-    def _placeable(self, program: Program, block: Block, group: FusionGroup, i: int, definer: dict[str, int]) -> bool:
-        """Op i can move up to the group's first op: its outside inputs exist there and nothing rewrites them."""
+    def _placeable(self, usedef: UseDef, group: FusionGroup, i: int, definer: dict[str, int],
+                   owners: list[int]) -> bool:
+        """Op i can move up to the group's first op: its outside inputs exist there and no op in between (not in
+        the group) rewrites them or owns a sub-block. Asks the use-def index instead of scanning the ops between."""
         start = group.members[0]
-        op = block.ops[i]
-        for name in op.inputs:
-            if name in group.defined:
-                continue
-            if definer.get(name, -1) >= start and program.var(name, block.idx).kind is VarKind.TEMP:
+        outside = [n for n in usedef.block.ops[i].inputs if n not in group.defined]
+        if outside and bisect.bisect_left(owners, start) < bisect.bisect_left(owners, i):
+            return False  # sub-block owners are never pointwise, so never group members
+        members = set(group.members)
+        for name in outside:
+            if definer.get(name, -1) >= start and usedef.program.var(name, usedef.block.idx).kind is VarKind.TEMP:
                 return False
-            for j in range(start, i):
-                other = block.ops[j]
-                if j not in group.members and (name in other.defined or other.sub_block is not None):
-                    return False
+            if any(start <= usedef.position[w.name] < i and usedef.position[w.name] not in members
+                   for w in usedef.writers.get(name, ())):
+                return False
         return True
 
     # ----- rewriting ---------------------------------------------------------------------------
-    def _fused_op(self, program: Program, block: Block, group: FusionGroup, index: int,
-                  read_outside: set[str]) -> Op:
+    def _fused_op(self, group: FusionGroup, index: int, read_outside: set[str], names: Names) -> Op:
         ops = group.ops()
         values: dict[str, int] = {}
         inputs: list[str] = []
@@ -247,7 +254,7 @@ class AutoFusion:
             values[op.outputs[0]] = len(inputs) + len(steps) - 1
         outputs = [op.outputs[0] for op in ops if op.outputs[0] in read_outside]
         kinds = list(dict.fromkeys(short_op_name(op.type) for op in ops))
-        name = program.unique_name(f"fused_{'_'.join(kinds[:4])}_{index}")
+        name = names.fresh(f"fused_{'_'.join(kinds[:4])}_{index}")
         attrs = {"op_role": int(ops[0].role), "module_path": _common_module_path(ops),
                  "provenance": self.name, "fused_ops": [op.name for op in ops]}
         for key in ("op_device", "source", "forward_op"):
@@ -258,36 +265,25 @@ class AutoFusion:
                   {"steps": tuple(steps), "results": tuple(values[n] for n in outputs), "name": name},
                   outputs, attrs)
 
-    def _rewrite(self, program: Program, block: Block, groups: list[FusionGroup], index: int,
+    def _rewrite(self, program: Program, usedef: UseDef, groups: list[FusionGroup], index: int, names: Names,
                  report: PassReport) -> int:
-        member_of = {i: g for g in groups for i in g.members}
-        readers: dict[str, set[int]] = {}
-        for i, op in enumerate(block.ops):
-            for name in block_reads(program, op):
-                readers.setdefault(name, set()).add(i)
+        """Replace each group read from outside by its fused op, standing where the group's first op stood."""
         fetched = set(program.fetches.values())
-        fused_at: dict[int, Op] = {}
         replaced: dict[str, str] = {}
         for group in groups:
+            ops = group.ops()
+            members = {id(op) for op in ops}
             read_outside = {n for n in group.defined
-                            if n in fetched or any(member_of.get(r) is not group for r in readers.get(n, ()))}
+                            if n in fetched or any(id(r) not in members for r in usedef.readers.get(n, ()))}
             if not read_outside:  # a dead chain: left as it is for dead-code elimination to drop
-                for i in group.members:
-                    del member_of[i]
                 continue
-            fused = self._fused_op(program, block, group, index, read_outside)
+            fused = self._fused_op(group, index, read_outside, names)
             index += 1
-            fused_at[group.members[0]] = fused
-            replaced.update({op.name: fused.name for op in group.ops()})
+            usedef.replace(ops, fused, usedef.position[ops[0].name])
+            replaced.update({op.name: fused.name for op in ops})
             report.count("groups")
             report.count("ops_fused", len(group.members))
             report.count("reductions_fused", int(group.closed))
-        new_ops = []
-        for i, op in enumerate(block.ops):
-            if i in fused_at:
-                new_ops.append(fused_at[i])
-            if i not in member_of:
-                new_ops.append(op)
-        block.ops = new_ops
+        usedef.compact()
         program.repoint_forward_ops(replaced)
         return index

@@ -12,44 +12,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from fleetc.ir.liveness import block_reads
 from fleetc.ir.program import Block, Op, OpRole, Program, Var, VarKind
+from fleetc.ir.usedef import Names, UseDef
 from fleetc.passes.base import PassReport
 from fleetc.passes.cleanup.dce import drop_unused_temporaries
 
 
-class BlockIndex:
-    """Definers, readers and positions of one block's ops, kept up to date as fusions are applied.
+class BlockIndex(UseDef):
+    """The block's use-def information (fleetc.ir.usedef) plus what fusion matching asks of it.
 
     Built once per block: a fusion removes its members from the index and adds the fused op in place
-    (`apply_fusion`), so matching the whole block costs time linear in its size. Removed ops leave an empty
-    slot, so positions never shift; `compact` writes the surviving ops back to the block.
+    (`apply_fusion`), so matching the whole block costs time linear in its size.
     """
 
-    def __init__(self, program: Program, block: Block, by_forward: dict[str, list[Op]], names: set[str]):
-        self.program, self.block = program, block
-        self.slots: list[Op | None] = list(block.ops)
-        self.position = {op.name: i for i, op in enumerate(block.ops)}
-        self.readers: dict[str, list[Op]] = {}
-        self.definer: dict[str, Op] = {}
-        for op in block.ops:
-            self._add(op)
+    def __init__(self, program: Program, block: Block, by_forward: dict[str, list[Op]], names: Names):
+        super().__init__(program, block)
         self.fetched = set(program.fetches.values())
         self.by_forward = by_forward  # program-wide: forward op name → the backward ops naming it
-        self.names = names  # every Var and op name in the program (fused ops get fresh ones)
-
-    def _add(self, op: Op) -> None:
-        for name in block_reads(self.program, op):
-            self.readers.setdefault(name, []).append(op)
-        for name in op.defined:
-            self.definer.setdefault(name, op)
-
-    def _remove(self, op: Op) -> None:
-        for name in block_reads(self.program, op):
-            self.readers[name].remove(op)
-        for name in op.defined:
-            if self.definer.get(name) is op:
-                del self.definer[name]
+        self.names = names  # fused ops get fresh names
 
     def var(self, name: str) -> Var:
         """The Var `name` as this block sees it (its own, or an ancestor block's)."""
@@ -67,46 +47,21 @@ class BlockIndex:
         members = {op.name for op in group}
         return name in self.fetched or any(r.name not in members for r in self.readers.get(name, []))
 
-    def live(self, op: Op) -> bool:
-        """Whether `op` is (still) one of this block's ops."""
-        at = self.position.get(op.name)
-        return at is not None and self.slots[at] is op
-
     def backward_of(self, forward_name: str) -> list[Op]:
         """The live ops differentiating `forward_name` (dead ones, e.g. an unused input grad, are DCE's job)."""
         ops = [op for op in self.by_forward.get(forward_name, []) if self.live(op)]
         return sorted((op for op in ops if any(n in self.fetched or self.readers.get(n) or self.var(n).persistable
                                                for n in op.defined)), key=lambda op: self.position[op.name])
 
-    def unique_name(self, base: str) -> str:
-        """A name no Var or op of the program has: `base`, `base_1`, … (as Program.unique_name, without a scan)."""
-        name, i = base, 0
-        while name in self.names:
-            i += 1
-            name = f"{base}_{i}"
-        self.names.add(name)
-        return name
-
-    def replace(self, group: list[Op], fused: Op, at: int, rename: dict[str, str]) -> None:
+    def fuse(self, group: list[Op], fused: Op, at: int, rename: dict[str, str]) -> None:
         """Put `fused` in slot `at`, empty the members' slots, and point readers of renamed values at the new ones."""
-        for op in group:
-            self._remove(op)
-            self.slots[self.position.pop(op.name)] = None
-        self.slots[at] = fused
-        self.position[fused.name] = at
-        self._add(fused)
+        self.replace(group, fused, at)
         for old, new in rename.items():
-            for reader in self.readers.pop(old, []):
-                self.program.rename_reads(reader, {old: new})
-                self.readers.setdefault(new, []).append(reader)
+            self.rename(old, new)
         for member in group:  # backward ops that named a member now name the fused op
             for backward in self.by_forward.pop(member.name, []):
                 backward.attrs["forward_op"] = fused.name
                 self.by_forward.setdefault(fused.name, []).append(backward)
-
-    def compact(self) -> None:
-        """Write the surviving ops, in order, back to the block."""
-        self.block.ops = [op for op in self.slots if op is not None]
 
 
 @dataclass
@@ -129,8 +84,8 @@ def _anchor(index: BlockIndex, fusion: Fusion) -> int | None:
     members = {op.name for op in fusion.group}
     # persistables and feeds hold a value all step long; only temporaries have a position to respect
     inputs = [n for n in fusion.fused.inputs if index.var(n).kind is VarKind.TEMP
-              and index.definer.get(n) is not None and index.definer[n].name not in members]
-    if all(index.position[index.definer[n].name] < positions[0] for n in inputs):
+              and index.definer(n) is not None and index.definer(n).name not in members]
+    if all(index.position[index.definer(n).name] < positions[0] for n in inputs):
         return positions[0]
     outputs = [n for n in fusion.fused.defined]
     if all(index.position[r.name] > positions[-1] for n in outputs for r in index.readers.get(n, [])
@@ -155,14 +110,14 @@ def apply_fusion(index: BlockIndex, fusion: Fusion, pass_name: str) -> str | Non
         return "no position keeps every input defined before use"
     first = fusion.group[0]
     fused = fusion.fused
-    fused.name = index.unique_name(fused.name)
+    fused.name = index.names.fresh(fused.name)
     role = OpRole(0)
     for op in fusion.group:
         role |= op.role
     fused.attrs = {"op_role": int(role), "module_path": first.module_path, "provenance": pass_name,
                    "fused_from": [op.name for op in fusion.group],
                    **{k: first.attrs[k] for k in ("forward_op", "op_device", "source") if k in first.attrs}}
-    index.replace(fusion.group, fused, at, fusion.rename)
+    index.fuse(fusion.group, fused, at, fusion.rename)
     return None
 
 
@@ -179,9 +134,8 @@ def fuse_forward_and_backward(program: Program, report: PassReport, pass_name: s
     """
     by_forward: dict[str, list[Op]] = {}
     block_of: dict[str, int] = {}
-    names = {v.name for v in program.all_vars()}
+    names = Names(program)
     for block, op in program.walk_ops():
-        names.add(op.name)
         block_of[op.name] = block.idx
         if "forward_op" in op.attrs:
             by_forward.setdefault(op.attrs["forward_op"], []).append(op)

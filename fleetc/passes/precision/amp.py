@@ -23,6 +23,7 @@ from fleetc.errors import PassError
 from fleetc.ir.liveness import aliased_input
 from fleetc.ir.program import Op, OpRole, Program, Ref, Var, VarKind, map_refs
 from fleetc.ir.registry import resolve_callable
+from fleetc.ir.usedef import Names
 from fleetc.passes.base import PassReport
 from fleetc.passes.precision.amp_lists import AmpLists
 from fleetc.passes.precision.loss_scaling import insert_loss_scaling
@@ -58,6 +59,7 @@ class _CastRewriter:
             program.var(name).dtype = low
         self.original = {name: var.dtype for name, var in self.block.vars.items()}
         self.casts: dict[tuple[str, str], str] = {}
+        self.names = Names(program)  # fresh cast names without rescanning the Program per cast
         self.ops: list[Op] = []
         self.readers: dict[str, list[Op]] = {}
         for op in self.block.ops:
@@ -75,12 +77,12 @@ class _CastRewriter:
         key = (name, dtype)
         if key not in self.casts:
             source = self.program.var(name)
-            out = self.program.unique_name(f"{name}@{_SUFFIX[dtype]}")
+            out = self.names.fresh(f"{name}@{_SUFFIX[dtype]}")
             self.block.add_var(Var(out, source.shape, dtype, source.device, VarKind.TEMP))
             attrs = {k: template.attrs[k] for k in ("op_role", "module_path", "forward_op", "op_device", "source")
                      if k in template.attrs}
             attrs["provenance"] = "amp"
-            op = Op(self.program.unique_name(f"{name}.cast_{_SUFFIX[dtype].lower()}"), _CAST_TYPE, (Ref(name),),
+            op = Op(self.names.fresh(f"{name}.cast_{_SUFFIX[dtype].lower()}"), _CAST_TYPE, (Ref(name),),
                     {"dtype": getattr(torch, dtype)}, outputs=[out], attrs=attrs)
             self.ops.insert(at, op)
             self.casts[key] = out

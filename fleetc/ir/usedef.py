@@ -1,0 +1,127 @@
+"""Use-def information of one block, kept up to date as a pass edits it (MLIR use lists, FX `node.users`).
+
+`UseDef` knows, for every Var the block's ops touch, which ops read it and which write it, and for every op its
+position. It is built once per block (one walk) and updated locally by each edit (`replace`, `rename`), so a pass
+that matches and rewrites the whole block costs time linear in its size instead of rescanning the block per
+rewrite. Removed ops leave an empty slot, so positions never shift; `compact` writes the surviving ops back.
+
+`Names` hands out fresh Var/op names from one scan of the Program (`Program.unique_name` rescans per call).
+
+`check_consistent` compares an index with one rebuilt from scratch; with `CHECK` on (tests/conftest.py turns it
+on) every `compact()` runs it through the IR verifier, so a pass that edits the block behind the index's back,
+or updates the index wrongly, fails the test that runs it.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from fleetc.ir.liveness import block_reads
+from fleetc.ir.program import Block, Op, Program
+
+CHECK = False  # verify the index against the block at every compact() (tests)
+
+
+class Names:
+    """Every Var and op name in a Program; `fresh(base)` returns `base`, `base_1`, … not yet taken, and takes it."""
+
+    def __init__(self, program: Program):
+        self.taken = {v.name for v in program.all_vars()} | {op.name for _, op in program.walk_ops()}
+
+    def fresh(self, base: str) -> str:
+        name, i = base, 0
+        while name in self.taken:
+            i += 1
+            name = f"{base}_{i}"
+        self.taken.add(name)
+        return name
+
+
+class UseDef:
+    """Readers, writers and position of every op of one block (a sub-block-owning op reads what its sub-block
+    reads from outside, and writes what it writes)."""
+
+    def __init__(self, program: Program, block: Block):
+        self.program, self.block = program, block
+        self.slots: list[Op | None] = list(block.ops)
+        self.position: dict[str, int] = {op.name: i for i, op in enumerate(block.ops)}
+        self.readers: dict[str, list[Op]] = {}
+        self.writers: dict[str, list[Op]] = {}
+        for op in block.ops:
+            self._add(op)
+
+    def _add(self, op: Op) -> None:
+        for name in block_reads(self.program, op):
+            self.readers.setdefault(name, []).append(op)
+        for name in op.defined:
+            self.writers.setdefault(name, []).append(op)
+
+    def _remove(self, op: Op) -> None:
+        for name in block_reads(self.program, op):
+            self.readers[name].remove(op)
+            if not self.readers[name]:
+                del self.readers[name]
+        for name in op.defined:
+            self.writers[name].remove(op)
+            if not self.writers[name]:
+                del self.writers[name]
+
+    def definer(self, name: str) -> Op | None:
+        """The first op of the block writing `name` (a temporary's one definer), or None."""
+        writers = self.writers.get(name)
+        return writers[0] if writers else None
+
+    def live(self, op: Op) -> bool:
+        """Whether `op` is (still) one of this block's ops."""
+        at = self.position.get(op.name)
+        return at is not None and self.slots[at] is op
+
+    def ops(self) -> list[Op]:
+        """The block's current ops, in order."""
+        return [op for op in self.slots if op is not None]
+
+    def replace(self, group: list[Op], new: Op, at: int) -> None:
+        """Empty the slots of `group`'s ops and put `new` in slot `at` (which must be one of them, or empty)."""
+        for op in group:
+            self._remove(op)
+            self.slots[self.position.pop(op.name)] = None
+        if self.slots[at] is not None:
+            raise ValueError(f"slot {at} holds {self.slots[at].name!r}, which the replaced group does not include")
+        self.slots[at] = new
+        self.position[new.name] = at
+        self._add(new)
+
+    def rename(self, old: str, new: str) -> None:
+        """Point every reader of `old` at `new` (inside sub-blocks too)."""
+        for reader in self.readers.pop(old, []):
+            self.program.rename_reads(reader, {old: new})
+            self.readers.setdefault(new, []).append(reader)
+
+    def compact(self) -> None:
+        """Write the surviving ops, in order, back to the block."""
+        if CHECK:
+            from fleetc.ir.verifier import verify_usedef
+
+            verify_usedef(self)
+        self.block.ops = self.ops()
+
+
+def check_consistent(usedef: UseDef) -> str | None:
+    """None when `usedef` matches its current ops exactly (positions in order, readers, writers) as an index
+    rebuilt from scratch would; else what differs."""
+    ops = usedef.ops()
+    fresh = UseDef(usedef.program, dataclasses.replace(usedef.block, ops=ops))
+    position = usedef.position
+    if len(position) != len(ops) or any(op.name not in position or usedef.slots[position[op.name]] is not op for op in ops):
+        return "positions do not match the slots the ops stand in"
+    for what, got, expected in (("readers", usedef.readers, fresh.readers), ("writers", usedef.writers, fresh.writers)):
+        got_names, expected_names = _names(got), _names(expected)
+        if got_names != expected_names:
+            wrong = sorted(n for n in set(got_names) | set(expected_names)
+                           if got_names.get(n) != expected_names.get(n))
+            return (f"{what} of {wrong[:5]} disagree with the ops: index has {got_names.get(wrong[0])}, "
+                    f"the ops give {expected_names.get(wrong[0])}")
+    return None
+
+
+def _names(table: dict[str, list[Op]]) -> dict[str, list[str]]:
+    return {name: sorted(op.name for op in ops) for name, ops in table.items() if ops}

@@ -1,0 +1,64 @@
+"""Compile work grows linearly with model depth: Op/Var visits of capture, every pass and codegen (deterministic
+counts, not times; fleetc.ir.visits) for a 32-layer nn.TransformerEncoder are at most 2.2x those of a 16-layer one,
+with the default strategy and with every fusion + recompute "auto" (issue 25).
+
+The recompute min-cut runs in networkx, which the visit counter does not see; its Python function calls are
+counted instead. The memory-budget search (`recompute_configs.memory_budget_mb`) is not covered: it builds about two
+candidate plans per repeated block, each over the whole forward region, so it grows superlinearly (docs/ir.md).
+"""
+from __future__ import annotations
+
+import sys
+
+import pytest
+from helpers.scaling import STRATEGIES, encoder_and_batch, stage_visits
+
+from fleetc.capture import capture_train_program
+from fleetc.passes.recompute import RecomputePolicy
+from fleetc.passes.recompute.auto import min_cut_plan
+from fleetc.passes.recompute.plan import forward_region
+
+LIMIT = 2.2
+SHALLOW, DEEP = 16, 32
+
+
+@pytest.fixture(scope="module")
+def visits() -> dict[int, dict[str, dict[str, int]]]:
+    return {depth: stage_visits(depth) for depth in (SHALLOW, DEEP)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_every_stage_grows_linearly(visits, strategy):
+    shallow, deep = visits[SHALLOW][strategy], visits[DEEP][strategy]
+    assert shallow.keys() == deep.keys()
+    assert {"capture", "dead_code_elimination", "codegen"} <= shallow.keys()
+    if strategy == "all_passes":
+        assert {"recompute", "fuse_gemm_epilogue", "auto_fusion"} <= shallow.keys()
+    ratios = {stage: deep[stage] / shallow[stage] for stage in shallow}
+    superlinear = {stage: round(r, 2) for stage, r in ratios.items() if r > LIMIT}
+    assert not superlinear, f"{DEEP} vs {SHALLOW} layers, visits ratio above {LIMIT}: {superlinear}"
+    assert all(r > 1.5 for r in ratios.values()), f"a stage did not grow with depth at all: {ratios}"
+
+
+def _min_cut_calls(depth: int) -> int:
+    model, optimizer, batch = encoder_and_batch(depth)
+    region = forward_region(capture_train_program(model, None, optimizer, batch, {}), RecomputePolicy())
+    calls = 0
+
+    def profile(frame, event, arg):
+        nonlocal calls
+        calls += event == "call"
+
+    sys.setprofile(profile)
+    try:
+        min_cut_plan(region)
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+@pytest.mark.slow
+def test_min_cut_grows_linearly():
+    shallow, deep = _min_cut_calls(4), _min_cut_calls(8)
+    assert 1.5 < deep / shallow <= LIMIT, (shallow, deep)
