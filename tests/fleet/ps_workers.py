@@ -55,7 +55,8 @@ def train(rank: int, config: dict, out_dir: str) -> None:
     trainer = fleet.distributed_model(model, loss_fn=entry.loss_fn, verify=True)
     me, workers = fleet.worker_index(), fleet.worker_num()
     losses = []
-    for step, args in enumerate(batches(config, config["steps"])):
+    start = config.get("start", 0)
+    for step, args in enumerate(batches(config, start + config["steps"])[start:]):
         if step == config.get("die_at_step") and me == config.get("die_worker", 1):
             os._exit(3)
         losses.append(float(trainer.step(*(a.chunk(workers)[me] for a in args))))
