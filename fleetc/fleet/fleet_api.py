@@ -63,6 +63,7 @@ class Fleet:
         self.ps_role = role
         if not role.is_server:
             self.ps_client = Client(role, timeout)
+            self.ps_client.start_heartbeat()
 
     def _ps(self, server: bool | None = None, call: str = "") -> PsRole:
         """The parameter-server role; FleetcError when not in PS mode or (for `server`) in the wrong role."""

@@ -1,9 +1,12 @@
 """Parameter-server job bodies (`python -m fleet.ps_workers NAME ARGS_JSON OUT_DIR`, servers and workers alike)."""
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
+import threading
+import time
 
 import torch
 from torch import nn
@@ -42,6 +45,15 @@ def make_strategy(config: dict) -> fleetc.DistributedStrategy:
     return strategy
 
 
+def _die_after_setup() -> None:
+    """Server 0 dies 2 s after worker 0 set it up (workers are mid-training then)."""
+    from fleetc.comm.ps import server
+    while not server._server().ready.done():
+        time.sleep(0.1)
+    time.sleep(2)
+    os._exit(4)
+
+
 def train(rank: int, config: dict, out_dir: str) -> None:
     """A server serves; a worker trains `steps` steps on its shard of each global batch and saves what it saw."""
     fleet.init(timeout=config.get("timeout", 20))
@@ -49,6 +61,8 @@ def train(rank: int, config: dict, out_dir: str) -> None:
     fleet.distributed_optimizer(PS_OPTIMIZERS[config["opt"]](model.parameters()), make_strategy(config))
     if fleet.is_server():
         fleet.init_server(config.get("load"))
+        if config.get("server_dies") and fleet.server_index() == 0:
+            threading.Thread(target=_die_after_setup, daemon=True).start()
         fleet.run_server()
         return
     fleet.init_worker()
@@ -65,7 +79,7 @@ def train(rank: int, config: dict, out_dir: str) -> None:
     trainer.pull_all()
     result = {"losses": losses, "params": {k: v.clone() for k, v in model.state_dict().items()},
               "stats": dict(trainer.client.stats), "program": str(trainer.program),
-              "report": trainer.report().as_dict() if hasattr(trainer.report(), "as_dict") else {}}
+              "report": {"decisions": list(trainer.report().decisions), "text": str(trainer.report())}}
     fleet.barrier_worker()
     torch.save(result, os.path.join(out_dir, f"worker{me}.pt"))
     fleet.stop_worker()
@@ -73,4 +87,6 @@ def train(rank: int, config: dict, out_dir: str) -> None:
 
 if __name__ == "__main__":
     name, args, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+    if args.get("dump_after_s"):  # a hung process shows where it hangs before the test's deadline kills it
+        faulthandler.dump_traceback_later(args["dump_after_s"], exit=True)
     globals()[name](int(os.environ.get("PADDLE_TRAINER_ID", "-1")), args, out)

@@ -216,15 +216,18 @@ def reference_run(config: dict, steps: int) -> tuple[list[float], dict[str, torc
     return losses, {k: v.detach() for k, v in model.state_dict().items()}
 
 
-def run_jobs(tmp_path, jobs: dict[str, tuple[int, int, dict]], deadline_s: float = 240) -> dict[str, list]:
-    """Start every job at once (they overlap their start-up), then wait for all; per job, the workers' results."""
-    started = {name: start_ps(s, w, "train", {**config, "timeout": config.get("timeout", 30)}, tmp_path / name,
-                              deadline_s) for name, (s, w, config) in jobs.items()}
-    results = {}
-    for name, job in started.items():
-        ranks = job.collect()
-        results[name] = ranks
-    return results
+def run_jobs(tmp_path, jobs: dict[str, tuple[int, int, dict]], deadline_s: float = 150,
+             parallel: bool = False) -> dict[str, list]:
+    """Run the jobs (`parallel`: all started at once, overlapping their start-up); per job, every process's
+    RankResult. A process still running at its deadline is killed, after dumping its threads' stacks."""
+    def begin(name: str) -> object:
+        servers, workers, config = jobs[name]
+        config = {"timeout": 30, "dump_after_s": deadline_s - 10, **config}
+        return start_ps(servers, workers, "train", config, tmp_path / name, deadline_s)
+    if parallel:
+        started = {name: begin(name) for name in jobs}
+        return {name: job.collect() for name, job in started.items()}
+    return {name: begin(name).collect() for name in jobs}
 
 
 def worker_results(tmp_path, name: str, ranks: list, workers: int) -> list[dict]:
@@ -248,7 +251,7 @@ def sync_jobs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ps_sync")
     jobs = {name: (s, w, {**c, "save": str(tmp / "ckpt")} if "save" in c else c) for name, (s, w, c) in SYNC_JOBS.items()}
     start = time.monotonic()
-    ranks = run_jobs(tmp, jobs)
+    ranks = run_jobs(tmp, jobs, parallel=True)
     return tmp, ranks, time.monotonic() - start
 
 
@@ -293,3 +296,63 @@ def test_checkpoint_from_the_servers_resumes_the_job(sync_jobs, tmp_path):
     _, params = reference_run({**config, "steps": 2 * STEPS}, 2 * STEPS)
     for key, value in params.items():
         torch.testing.assert_close(results[0]["params"][key], value, atol=ATOL, rtol=RTOL)
+
+
+CONVERGE_STEPS = 40
+ASYNC_JOBS = {
+    "async": (2, 2, {"model": "ctr", "opt": "adagrad", "steps": CONVERGE_STEPS, "a_sync": True, "k_steps": 0}),
+    "geo": (2, 2, {"model": "ctr", "opt": "adagrad", "steps": CONVERGE_STEPS, "a_sync": True, "k_steps": 4,
+                   "thread_barrier": True}),
+    "dead_worker": (1, 2, {"model": "ctr", "opt": "sgd", "steps": 3, "die_at_step": 1, "timeout": 10}),
+    "dead_server": (2, 2, {"model": "ctr", "opt": "sgd", "steps": 100_000, "server_dies": True, "timeout": 10}),
+}
+
+
+@pytest.fixture(scope="module")
+def async_jobs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ps_async")
+    start = time.monotonic()
+    ranks = run_jobs(tmp, ASYNC_JOBS)
+    return tmp, ranks, time.monotonic() - start
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["async", "geo"])
+def test_async_and_geo_converge_near_sync(async_jobs, mode):
+    tmp, ranks, _ = async_jobs
+    servers, workers, config = ASYNC_JOBS[mode]
+    results = worker_results(tmp, mode, ranks[mode], workers)
+    sync_losses, _ = reference_run(config, CONVERGE_STEPS)  # sync mode equals this (tested above)
+    losses = [sum(r["losses"][i] for r in results) / workers for i in range(CONVERGE_STEPS)]
+    first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
+    assert last < first - 0.01, f"{mode}: the loss did not decrease ({first:.4f} -> {last:.4f})"
+    assert last < sum(sync_losses[-10:]) / 10 + 0.05, f"{mode}: {last:.4f} vs sync {sum(sync_losses[-10:]) / 10:.4f}"
+    program = results[0]["program"]
+    if mode == "geo":
+        assert "fleetc.ps_geo_sync(" in program and "fleetc.adagrad" not in program.split("ps_geo_sync")[1]
+        assert results[0]["stats"]["pull_dense_bytes"] > 0
+    decisions = " ".join(results[0]["report"].get("decisions", []))
+    expected = {"async": "async, each push is applied as it arrives",
+                "geo": "geo, local updates and parameter deltas sent every 4 step(s); use_thread_barrier"}[mode]
+    assert expected in decisions
+
+
+@pytest.mark.slow
+def test_dead_worker_is_a_clear_error_within_the_rpc_timeout(async_jobs):
+    tmp, ranks, _ = async_jobs
+    server, worker0, worker1 = ranks["dead_worker"]
+    assert worker1.returncode == 3  # it died on purpose
+    assert worker0.returncode == 1 and server.returncode == 1, "a process hung or succeeded"
+    assert "ParameterServerError: parameter server server0 failed during the push of step 2" in worker0.output
+    assert "another worker may have died" in worker0.output
+    assert "worker 1 sent nothing for 10 s (the rpc timeout)" in server.output
+
+
+@pytest.mark.slow
+def test_dead_server_is_a_clear_error_on_the_workers(async_jobs):
+    tmp, ranks, _ = async_jobs
+    processes = ranks["dead_server"]
+    assert processes[0].returncode == 4  # server 0 died on purpose
+    for worker in processes[2:]:
+        assert worker.returncode == 1, f"worker {worker.rank} hung or succeeded:\n{worker.output[-2000:]}"
+        assert "ParameterServerError: parameter server server" in worker.output

@@ -1,10 +1,12 @@
 """The worker's side of a parameter-server job: pulls, pushes and geo syncs, with the bytes each moved."""
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from typing import Any
 
 import torch
+import torch.distributed.rpc as rpc
 
 from fleetc.comm.ps import server as handlers
 from fleetc.comm.ps.placement import Placement
@@ -39,6 +41,20 @@ class Client:
         return call_all([(f"server{s}", fn, args) for s, args in zip(chosen, per_server)], what, self.timeout_s)
 
     # ----- joining ---------------------------------------------------------------------------
+    def start_heartbeat(self) -> None:
+        """Tell every server this worker is alive every quarter of the rpc timeout (compiling, evaluating or
+        loading data between steps is not dying), until stop()."""
+        self._stopped = threading.Event()
+
+        def beat() -> None:
+            while not self._stopped.wait(self.timeout_s / 4):
+                for server in self._servers():
+                    try:
+                        rpc.rpc_async(server, handlers.handle_heartbeat, (self.role.index,), timeout=self.timeout_s)
+                    except RuntimeError:
+                        return  # the job is going down; the next pull or push reports it
+        threading.Thread(target=beat, name="fleetc-ps-heartbeat", daemon=True).start()
+
     def register(self, placement: Placement, spec: dict, mode: str, k_steps: int, barrier: bool,
                  values: dict[str, torch.Tensor]) -> None:
         """Worker 0 sets the servers up (with its values, unless a server loaded a checkpoint); every worker then
@@ -183,6 +199,8 @@ class Client:
         self._call(handlers.handle_barrier, [(self.role.index, self.barriers)], "barrier_worker", [0])
 
     def stop(self) -> None:
+        if getattr(self, "_stopped", None) is not None:
+            self._stopped.set()
         self._call(handlers.handle_stop, [(self.role.index,)] * self.role.server_num, "stop_worker")
 
 

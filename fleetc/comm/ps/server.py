@@ -276,5 +276,9 @@ def handle_snapshot(worker: int) -> dict:
     return _server().snapshot()
 
 
+def handle_heartbeat(worker: int) -> None:
+    _server().seen(worker)
+
+
 def handle_stop(worker: int) -> None:
     _server().stop(worker)
