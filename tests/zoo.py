@@ -131,6 +131,19 @@ class ReturnsLossDict(nn.Module):
         return out
 
 
+class CTR(nn.Module):
+    """A CTR-style model: `fields` sparse ids per sample looked up in one large table, concatenated, then an MLP."""
+
+    def __init__(self, rows: int = 100_000, dim: int = 16, fields: int = 4, hidden: int = 32):
+        super().__init__()
+        self.embedding = nn.Embedding(rows, dim)
+        self.fc1 = nn.Linear(fields * dim, hidden)
+        self.fc2 = nn.Linear(hidden, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.relu(self.fc1(self.embedding(ids).flatten(1)))).squeeze(1)
+
+
 def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
@@ -165,6 +178,20 @@ def _unused_batch(g: torch.Generator) -> tuple[tuple, dict]:
 def _dict_batch(g: torch.Generator) -> tuple[tuple, dict]:
     return (torch.randn(8, 16, generator=g),), {"labels": torch.randint(0, 5, (8,), generator=g)}
 
+
+def _ctr_batch(g: torch.Generator, batch: int = 32, rows: int = 100_000) -> tuple[tuple, dict]:
+    """Clicks a fixed rule decides from the ids (learnable): id parity and size vote, with noise-free labels.
+    Ids come from a small hot range plus the long tail, as CTR data does."""
+    hot = torch.randint(0, 64, (batch, 4), generator=g)
+    tail = torch.randint(0, rows, (batch, 4), generator=g)
+    ids = torch.where(torch.rand(batch, 4, generator=g) < 0.5, hot, tail)
+    labels = ((ids % 2).sum(1) >= 2).float()
+    return (ids, labels), {}
+
+
+# The embedding-heavy model of the parameter-server tests (not in ZOO: its 100k-row table would slow every
+# zoo-wide test; tests/fleet/test_parameter_server.py runs it).
+CTR_ENTRY = ZooEntry("ctr", CTR, _ctr_batch, F.binary_cross_entropy_with_logits)
 
 ZOO = {
     "mlp": ZooEntry("mlp", MLP, _mlp_batch, F.cross_entropy),

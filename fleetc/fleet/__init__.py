@@ -1,8 +1,8 @@
 """`import fleetc.fleet as fleet` in place of `import paddle.distributed.fleet as fleet`: strategies and the Fleet API.
 
-Collective (data-parallel) mode on torch.distributed; parameter-server calls raise NotImplementedError.
+Collective (data-parallel) mode on torch.distributed; parameter-server mode on torch.distributed.rpc.
 """
-from fleetc.fleet.fleet_api import PARAMETER_SERVER_CALLS, Fleet
+from fleetc.fleet.fleet_api import Fleet
 from fleetc.fleet.optimizer import DistributedOptimizer
 from fleetc.fleet.role_maker import PaddleCloudRoleMaker, UserDefinedRoleMaker
 from fleetc.strategy import (
@@ -27,12 +27,18 @@ distributed_model = _fleet.distributed_model
 save_persistables = _fleet.save_persistables
 load_persistables = _fleet.load_persistables
 save_inference_model = _fleet.save_inference_model
-globals().update({name: _fleet._parameter_server_only(name) for name in PARAMETER_SERVER_CALLS})
+is_server = _fleet.is_server
+init_server = _fleet.init_server
+run_server = _fleet.run_server
+stop_server = _fleet.stop_server
+server_num = _fleet.server_num
+server_index = _fleet.server_index
+server_endpoints = _fleet.server_endpoints
 
 __all__ = [
     "BuildStrategy", "DistributedOptimizer", "DistributedStrategy", "ExecutionStrategy", "Fleet",
     "PaddleCloudRoleMaker", "Strategy", "UserDefinedRoleMaker", "barrier_worker", "distributed_model",
     "distributed_optimizer", "init", "init_worker", "is_first_worker", "is_worker", "load_persistables",
     "save_inference_model", "save_persistables", "stop_worker", "worker_endpoints", "worker_index", "worker_num",
-    *PARAMETER_SERVER_CALLS,
+    "init_server", "is_server", "run_server", "server_endpoints", "server_index", "server_num", "stop_server",
 ]

@@ -29,6 +29,7 @@ from fleetc.passes.fusion import (
 )
 from fleetc.passes.gradient_merge import GradientMerge
 from fleetc.passes.optimizers import AdaptiveLocalSGD, GradClip, GradientClip, Lamb, Lars, LocalSGD
+from fleetc.passes.parameter_server import ParameterServerRewrite
 from fleetc.passes.precision import AutoMixedPrecision
 from fleetc.passes.recompute import Recompute, RecomputePolicy
 from fleetc.strategy.distributed import DISTRIBUTED_SCHEMA
@@ -57,6 +58,7 @@ PASS_ORDER: tuple[type, ...] = (
     GradientMerge,  # update once per k steps, on summed gradients
     LocalSGD,  # data parallel: no gradient allreduce, parameters averaged every k steps instead
     AdaptiveLocalSGD,  # the same with k adapted from the loss
+    ParameterServerRewrite,  # parameter-server workers: pulls, and the update moved to the servers behind a push
     InsertAllreduce,  # data parallel only: average every gradient across ranks
     FuseAllreduce,  # one flat buffer and one collective per bucket of gradients
     AllreduceViews,  # gradient producers write into their bucket's buffer (no packing copy)

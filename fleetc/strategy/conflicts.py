@@ -45,8 +45,8 @@ def resolve_conflicts(cfg: StrategyConfig) -> tuple[StrategyConfig, tuple[Decisi
        step is a plain step (Paddle does not apply it either).
     5. recompute with no checkpoints and no memory_budget_mb: switched off; there is nowhere to cut
        (give names, "auto" or a budget).
-    6. a_sync set to True by the user: ignored; it applies to parameter-server training and fleetc
-       runs collective training only. Its default (True) alone is not reported.
+    6. a_sync set to True by the user: ignored in collective training; it applies to parameter-server
+       training, whose trainer reports the mode it chose instead. Its default (True) alone is not reported.
     7. auto on: ignored; automatic strategy tuning is not implemented.
     8. keys of a ``*_configs`` section set while its switch is off: reported as ignored, so a
        forgotten ``strategy.amp = True`` is visible.
@@ -70,7 +70,7 @@ def resolve_conflicts(cfg: StrategyConfig) -> tuple[StrategyConfig, tuple[Decisi
                    "or memory_budget_mb")
     if cfg.a_sync and "a_sync" in cfg.explicit_fields:
         decisions.append(Decision("a_sync", "ignored", "it is for parameter-server training; "
-                                                       "fleetc runs collective training only"))
+                                                       "collective training ignores it"))
     if cfg.auto:
         decisions.append(Decision("auto", "ignored", "automatic strategy tuning is not implemented"))
     for switch, section in _SWITCHED_SECTIONS:

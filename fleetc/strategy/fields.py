@@ -158,6 +158,11 @@ BUILD_STRATEGY = Section("build_strategy", (
     flag("cache_runtime_context", "reuse per-op runtime context between steps"),
 ), "graph building (fusion and scheduling) switches", as_object=True)
 
+A_SYNC_CONFIGS = Section("a_sync_configs", (
+    Field("k_steps", Int(Bounds(ge=-1)), -1,
+          "parameter-server updates with a_sync: 0 or -1 async, k > 0 geo (local steps between syncs)"),
+), "parameter-server asynchronous update settings (docs/parameter_server.md)")
+
 EXECUTION_STRATEGY = Section("execution_strategy", (
     Field("num_threads", COUNT, 1, "threads the scheduler runs ops on"),
     Field("num_iteration_per_drop_scope", COUNT, 10, "free cached temporaries every this many steps"),
@@ -186,6 +191,7 @@ DISTRIBUTED: tuple[FieldOrSection, ...] = (
     flag("adaptive_localsgd", "local SGD with an interval adapted during training"),
     ADAPTIVE_LOCALSGD_CONFIGS,
     flag("a_sync", "asynchronous updates; parameter-server mode only", True),
+    A_SYNC_CONFIGS,
     flag("auto", "let the framework pick strategies automatically"),
     flag("sync_nccl_allreduce", "wait for each allreduce before its result is used", True),
     Field("nccl_comm_num", COUNT, 1, "communicators used round-robin for gradient allreduce"),

@@ -82,3 +82,24 @@ def spawn(world: int, worker: str, args: dict, out_dir: pathlib.Path, deadline_s
 def assert_all_ok(results: list[RankResult]) -> None:
     for r in results:
         assert r.returncode == 0, f"rank {r.rank} exited with {r.returncode}:\n{r.output[-3000:]}"
+
+
+def start_ps(servers: int, workers: int, worker: str, args: dict, out_dir: pathlib.Path, deadline_s: float = 90.0,
+             module: str = "fleet.ps_workers") -> Job:
+    """A parameter-server job on loopback: `servers` then `workers` processes with Paddle's role environment (what
+    `fleetc run --server_num --worker_num` sets), each running `<module>.<worker>`; rank i's log is rank<i>.log."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    endpoints = [f"127.0.0.1:{free_port()}" for _ in range(servers)]
+    common = {"PADDLE_PSERVERS_IP_PORT_LIST": ",".join(endpoints), "PADDLE_TRAINERS_NUM": str(workers),
+              "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}
+    roles = [{"TRAINING_ROLE": "PSERVER", "POD_IP": "127.0.0.1", "PADDLE_PORT": e.rpartition(":")[2]}
+             for e in endpoints] + [{"TRAINING_ROLE": "TRAINER", "PADDLE_TRAINER_ID": str(i)} for i in range(workers)]
+    procs, logs = [], []
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    for rank, role in enumerate(roles):
+        command = [sys.executable, "-m", module, worker, json.dumps(args), str(out_dir)]
+        logs.append(out_dir / f"rank{rank}.log")
+        with logs[-1].open("w") as log:
+            procs.append(subprocess.Popen(command, env={**base, **common, **role}, cwd=TESTS, stdout=log,
+                                          stderr=subprocess.STDOUT))
+    return Job(procs, logs, out_dir, time.monotonic() + deadline_s)

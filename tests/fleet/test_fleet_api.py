@@ -41,11 +41,14 @@ def test_explicit_role_maker_is_checked():
         fleet.UserDefinedRoleMaker(current_id=2, worker_endpoints=["a:1", "b:1"])
 
 
-def test_parameter_server_calls_say_what_is_supported():
-    for call in (fleet.init_server, fleet.run_server, fleet.server_num, fleet.is_server):
-        with pytest.raises(NotImplementedError, match="collective .* mode; parameter-server mode is planned"):
+def test_parameter_server_calls_outside_a_ps_job_say_what_is_missing(monkeypatch):
+    for call in (fleet.init_server, fleet.run_server, fleet.server_num, fleet.server_endpoints):
+        with pytest.raises(FleetcError, match=r"is a parameter-server call: .*--server_num S --worker_num W"):
             call()
-    with pytest.raises(NotImplementedError, match="parameter-server"):
+    for key in ("TRAINING_ROLE", "PADDLE_PSERVERS_IP_PORT_LIST", "PADDLE_TRAINERS_NUM"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(FleetcError, match=r"is_collective=False.*TRAINING_ROLE \(PSERVER or TRAINER\), "
+                                          r"PADDLE_PSERVERS_IP_PORT_LIST .*PADDLE_TRAINERS_NUM .* is not set"):
         fleet.init(is_collective=False)
 
 

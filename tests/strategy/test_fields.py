@@ -19,7 +19,7 @@ from .fieldcases import (
 
 # Written out from reference/strategy_defaults.md (proto column), independently of the field table.
 EXPECTED_DEFAULTS = {
-    "a_sync": True, "auto": False,
+    "a_sync": True, "a_sync_configs.k_steps": -1, "auto": False,
     "amp": False, "recompute": False, "localsgd": False, "adaptive_localsgd": False,
     "gradient_merge": False, "lars": False, "lamb": False, "pipeline": False, "sharding": False,
     "sync_nccl_allreduce": True, "nccl_comm_num": 1, "use_hierarchical_allreduce": False,
