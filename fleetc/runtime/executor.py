@@ -9,7 +9,7 @@ import torch
 from fleetc.codegen.cpu.backend import KernelUsage, prepare, resolve_mode
 from fleetc.ir.program import Program
 from fleetc.runtime.memory import MemoryTracker
-from fleetc.runtime.pycodegen import GeneratedStep, generate_step
+from fleetc.runtime.pycodegen import GeneratedStep, generate_step, profiler_active
 from fleetc.runtime.scheduler import ScheduledStep
 
 
@@ -44,7 +44,7 @@ class Executable:
 
     def _step_function(self):
         """The generated function; under torch.profiler, its variant with a `record_function` range per op."""
-        if not torch.autograd._profiler_enabled():
+        if not profiler_active():
             return self.generated.fn
         if self._profiled is None:
             self._profiled = generate_step(self.program, measure_memory=self.measure_memory,

@@ -166,6 +166,11 @@ def profile_label(op: Op) -> str:
     return f"{op.module_path}/{op.name}" if op.module_path else op.name
 
 
+def profiler_active() -> bool:
+    """Whether torch.profiler (or the autograd profiler) is recording: torch's global flag, or this thread's state."""
+    return torch.autograd.profiler._is_profiler_enabled or torch.autograd._profiler_enabled()
+
+
 def generate_step(program: Program, *, measure_memory: bool = False,
                   op_callables: dict[str, Callable] | None = None, profile: bool = False) -> GeneratedStep:
     """Compile the Program into a Python function `step(state, feeds, mem) -> {fetch key: value}`.

@@ -24,7 +24,7 @@ from fleetc.ir.liveness import block_reads, last_use_index
 from fleetc.ir.program import CONDITIONAL_BLOCK, Block, Op, Program, Ref, VarKind
 from fleetc.ir.registry import resolve_callable
 from fleetc.runtime.dependencies import Node, build_graph
-from fleetc.runtime.pycodegen import profile_label, returned_outputs, unpacks
+from fleetc.runtime.pycodegen import profile_label, profiler_active, returned_outputs, unpacks
 
 
 def _bind(value: Any, env: dict[str, Any]) -> Any:
@@ -147,7 +147,7 @@ class _Run:
         self.error: tuple[Op, BaseException] | None = None
         self.cv = threading.Condition()
         self.intra_op_threads = torch.get_num_threads()
-        self.profiling = torch.autograd._profiler_enabled()
+        self.profiling = profiler_active()
 
     def _queue(self, i: int) -> collections.deque[int]:
         return self.comm_ready if self.plan.nodes[i].collective else self.ready
