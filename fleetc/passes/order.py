@@ -28,6 +28,7 @@ from fleetc.passes.fusion import (
     FuseOptimizerOps,
 )
 from fleetc.passes.gradient_merge import GradientMerge
+from fleetc.passes.memory import InplacePointwise
 from fleetc.passes.optimizers import AdaptiveLocalSGD, GradClip, GradientClip, Lamb, Lars, LocalSGD
 from fleetc.passes.precision import AutoMixedPrecision
 from fleetc.passes.recompute import Recompute, RecomputePolicy
@@ -62,6 +63,7 @@ PASS_ORDER: tuple[type, ...] = (
     # (sharding and the pipeline-parallel split go here)
     FuseOptimizerOps,  # one multi-tensor update per group
     DeadCodeElimination,  # results nobody reads (e.g. saved stats of unused outputs)
+    InplacePointwise,  # memory planning, last: liveness of the final Program decides what may be overwritten
 )
 
 
@@ -97,7 +99,6 @@ _PENDING = (
     ("sharding", "the sharding pass"),
     ("build_strategy.fuse_relu_depthwise_conv", "a relu+depthwise-conv fusion pass"),
     ("build_strategy.fuse_broadcast_ops", "a broadcast fusion pass (data parallel only)"),
-    ("build_strategy.enable_inplace", "in-place memory reuse"),
 )
 
 
