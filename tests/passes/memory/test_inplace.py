@@ -52,8 +52,9 @@ COMBINATIONS = {
                                          for c in sorted(COMBINATIONS)])
 def test_gpt_with_dropout_keeps_its_bits_combined_with(combination):
     fields = COMBINATIONS[combination]
-    on = run_side_by_side("gpt", "sgd", steps=2 if combination != "gradient_merge" else 4, strategy=_strategy(True, **fields))
-    off = run_side_by_side("gpt", "sgd", steps=2 if combination != "gradient_merge" else 4, strategy=_strategy(False, **fields))
+    steps = 4 if combination == "gradient_merge" else 2  # two updates of two merged steps
+    on = run_side_by_side("gpt", "sgd", steps=steps, strategy=_strategy(True, **fields))
+    off = run_side_by_side("gpt", "sgd", steps=steps, strategy=_strategy(False, **fields))
     if combination != "gradient_merge":  # eager updates every step; merged training matches eager accumulation,
         on.assert_same()                 # which tests/passes/test_gradient_merge.py checks for the run without it
     _assert_identical(on, off)
