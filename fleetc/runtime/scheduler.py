@@ -145,7 +145,9 @@ class _Run:
             self._queue(i).append(i)
         self.done = 0
         self.error: tuple[Op, BaseException] | None = None
-        self.cv = threading.Condition()
+        lock = threading.Lock()  # one lock, a condition per queue: a finished op wakes one thread per op it readied
+        self.cv = threading.Condition(lock)
+        self.comm_cv = threading.Condition(lock)
         self.intra_op_threads = torch.get_num_threads()
         self.profiling = profiler_active()
 
@@ -165,23 +167,27 @@ class _Run:
             with self.cv:
                 if self.done < len(self.plan.nodes) and self.error is None:
                     self.error = (self.plan.nodes[0].op, RuntimeError("the caller's thread was interrupted"))
-                self.cv.notify_all()
+                self._wake_all()
             for thread in threads:
                 thread.join()
         if self.error is not None:
             op, exc = self.error
             raise worker_error(op, exc) from exc
 
+    def _wake_all(self) -> None:
+        self.cv.notify_all()
+        self.comm_cv.notify_all()
+
     def work(self, comm: bool) -> None:
-        queue = self.comm_ready if comm else self.ready
+        queue, cv = (self.comm_ready, self.comm_cv) if comm else (self.ready, self.cv)
         total = len(self.plan.nodes)
         if torch.get_num_threads() != self.intra_op_threads:
             torch.set_num_threads(self.intra_op_threads)
         with torch.no_grad():  # grad mode is per thread
             while True:
-                with self.cv:
+                with cv:
                     while not queue and self.done < total and self.error is None:
-                        self.cv.wait()
+                        cv.wait()
                     if self.error is not None or not queue:
                         return
                     i = queue.popleft()
@@ -196,7 +202,7 @@ class _Run:
                     with self.cv:
                         if self.error is None:
                             self.error = (step.op, exc)
-                        self.cv.notify_all()
+                        self._wake_all()
                     return
                 self._finish(i)
 
@@ -214,4 +220,6 @@ class _Run:
                 self.waiting[j] -= 1
                 if not self.waiting[j]:
                     self._queue(j).append(j)
-            self.cv.notify_all()
+                    (self.comm_cv if plan.nodes[j].collective else self.cv).notify()
+            if self.done == len(plan.nodes):
+                self._wake_all()
