@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from fleetc.errors import ExecutionError
+from fleetc.errors import ExecutionError, FleetcError
 from fleetc.ir.liveness import block_reads, last_use_index
 from fleetc.ir.program import CONDITIONAL_BLOCK, Block, Op, Program, Ref, VarKind
 from fleetc.ir.registry import resolve_callable
@@ -149,6 +149,7 @@ class _Run:
         self.cv = threading.Condition(lock)
         self.comm_cv = threading.Condition(lock)
         self.intra_op_threads = torch.get_num_threads()
+        self.caller = threading.current_thread()
         self.profiling = profiler_active()
 
     def _queue(self, i: int) -> collections.deque[int]:
@@ -172,6 +173,8 @@ class _Run:
                 thread.join()
         if self.error is not None:
             op, exc = self.error
+            if isinstance(exc, FleetcError):  # already names what failed (a CollectiveError names the collective)
+                raise exc
             raise worker_error(op, exc) from exc
 
     def _wake_all(self) -> None:
@@ -181,8 +184,8 @@ class _Run:
     def work(self, comm: bool) -> None:
         queue, cv = (self.comm_ready, self.comm_cv) if comm else (self.ready, self.cv)
         total = len(self.plan.nodes)
-        if torch.get_num_threads() != self.intra_op_threads:
-            torch.set_num_threads(self.intra_op_threads)
+        if threading.current_thread() is not self.caller:
+            torch.set_num_threads(self.intra_op_threads)  # this thread's OpenMP team size: the caller's count
         with torch.no_grad():  # grad mode is per thread
             while True:
                 with cv:

@@ -16,6 +16,7 @@ from fleetc.errors import ExecutionError, StrategyError
 from fleetc.ir.program import Program
 from fleetc.runtime.dependencies import RNG, build_graph, draws_random
 from fleetc.runtime.executor import Executable
+from fleetc.runtime.scheduler import ScheduledStep
 
 
 def threads_strategy(num_threads: int, strategy: fleetc.DistributedStrategy | None = None) -> fleetc.DistributedStrategy:
@@ -185,3 +186,22 @@ def test_execution_fields_are_reported_as_applied_and_thread_barrier_as_not_appl
     assert any("released every 2 iterations" in line for line in report.execution)
     assert "execution:" in str(report)
     assert trainer.execution.drop_scope(4) and not trainer.execution.drop_scope(3)
+
+
+def test_a_fleetc_error_from_an_op_reaches_the_caller_as_it_is():
+    program = Program.parse("""
+program: 2 ops, 1 block(s)
+feeds: x: f32[4]
+fetches: out=z
+block 0 {
+  data x: f32[4] cpu
+  y: f32[4] = aten.neg.default(x)  # forward
+  z: f32[4] = aten.relu.default(y)  # forward
+}
+""")
+
+    def collective_fails(*args):
+        raise fleetc.CollectiveError("gradient allreduce 'b0' timed out waiting for rank 1")
+
+    with pytest.raises(fleetc.CollectiveError, match="rank 1"):
+        ScheduledStep(program, 2, {"z": collective_fails}).run({}, [torch.ones(4)])
