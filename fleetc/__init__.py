@@ -10,6 +10,7 @@ from fleetc.errors import (
     CaptureError,
     CheckpointError,
     CollectiveError,
+    ExecutionError,
     ExportError,
     FleetcError,
     GuardError,
@@ -35,7 +36,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Block", "BuildStrategy", "CaptureError", "CheckpointError", "ClipGradByGlobalNorm", "ClipGradByNorm",
     "ClipGradByValue", "CollectiveError", "CompileReport", "CompiledTrainer", "DistributedStrategy",
-    "ExecutionStrategy", "ExportError", "FleetcError", "GuardError", "Op", "OpRole", "PassError", "Program",
+    "ExecutionError", "ExecutionStrategy", "ExportError", "FleetcError", "GuardError", "Op", "OpRole", "PassError", "Program",
     "ProgramParseError", "Strategy", "StrategyError", "UnsupportedOptimizerError", "Var", "VarKind",
     "VerificationError", "compile", "device_guard", "fp16_guard", "load_inference_model",
 ]

@@ -44,6 +44,7 @@ from fleetc.runtime.checkpoint import (
     rng_state,
     save_checkpoint,
 )
+from fleetc.runtime.execution import ExecutionPlan
 from fleetc.runtime.executor import Executable
 from fleetc.runtime.guards import GuardCheck, input_key, observe_guards
 from fleetc.runtime.hyperparameters import HyperparameterFeeds
@@ -115,6 +116,7 @@ class CompiledTrainer:
         self.verify = verify
         self.config, decisions = resolve_conflicts(resolve_strategy(strategy))
         self.decisions = [str(d) for d in decisions]
+        self.execution = ExecutionPlan.from_config(self.config)
         self.disable_passes = tuple(disable_passes)
         unknown = set(self.disable_passes) - set(all_pass_names())
         if unknown:
@@ -168,13 +170,15 @@ class CompiledTrainer:
                 program, out_spec = capture_eval_program(self.model, args, kwargs)
         final, history, report = self._optimize(program, time.perf_counter() - start)
         progress_stage("codegen")
-        executable = Executable(final, measure_memory=self.measure_memory, cpu_kernels=self.cpu_kernels)
+        executable = Executable(final, measure_memory=self.measure_memory, cpu_kernels=self.cpu_kernels,
+                                num_threads=self.execution.threads)
         binding = StateBinding(final, self.model, self.optimizer, self.counters)
         # Observed after binding: amp use_pure_fp16 converts the parameters the guards record the dtype of.
         record = observe_guards(kind, self.model, self.optimizer, args, kwargs, program)
         final.metadata["guards"] = record.to_data()
         report.guards = record.summary()
         report.recompiles = self._cache.log
+        report.execution = self.execution.lines()
         report.compile_seconds = time.perf_counter() - start
         report.kernels = executable.kernel_usage
         leaves = tree_flatten((args, kwargs))[0]
@@ -231,7 +235,16 @@ class CompiledTrainer:
                     "(model.zero_grad(set_to_none=True)) or use param.register_hook")
 
     def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """One training step: forward, loss, backward and the optimizer update. Returns the loss."""
+        """One training step: forward, loss, backward and the optimizer update. Returns the loss.
+
+        With `execution_strategy.num_iteration_per_run` N > 1, `step(batches)` takes a list or iterator of batches
+        (each a tuple of positional arguments, a dict of keyword arguments, or one tensor), trains on N of them and
+        returns their N losses as one tensor."""
+        batches = self.execution.batches(args, kwargs)
+        losses = [self._train_iteration(*batch) for batch in batches]
+        return losses[0] if self.execution.iterations_per_run == 1 else torch.stack(losses)
+
+    def _train_iteration(self, args: tuple, kwargs: dict) -> torch.Tensor:
         self._steps += 1
         compiled, leaves = self._lookup("train", args, kwargs)
         self._last_train = compiled
@@ -243,6 +256,7 @@ class CompiledTrainer:
         self._store_grads(compiled.program, out, tensors)
         if self.optimizer is not None:
             self.optimizer._opt_called = True  # what optimizer.step() tells LR schedulers (no call-order warning)
+        self.execution.drop_scope(self._steps)
         return out["loss"]
 
     def _store_grads(self, program: Program, out: dict[str, Any], inputs: list[torch.Tensor]) -> None:

@@ -53,3 +53,8 @@ class ProgramParseError(FleetcError, ValueError):
 class ExportError(FleetcError):
     """A model could not be exported for inference: an unknown input or target name, an unwritable directory, an
     unsupported construct; names the problem and where."""
+
+
+class ExecutionError(FleetcError, RuntimeError):
+    """An op failed while a compiled step ran (on any scheduler thread); names the op, its module path and the
+    user's source line. The original exception is its `__cause__`."""

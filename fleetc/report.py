@@ -26,6 +26,7 @@ class CompileReport:
     kernels: Any = None  # the CPU backend's live KernelUsage: which fused ops ran a C++ kernel, which the reference
     guards: list[str] = field(default_factory=list)  # what the Program assumed, one line per kind of guard
     recompiles: list[str] = field(default_factory=list)  # the trainer's recompiles so far, each with its reason
+    execution: list[str] = field(default_factory=list)  # how the runtime runs the steps (execution_strategy)
 
     def __str__(self) -> str:
         lines = [f"fleetc compile report: {self.ops_before} → {self.ops_after} ops in {self.compile_seconds:.2f} s"]
@@ -40,6 +41,9 @@ class CompileReport:
         if self.decisions:
             lines.append("strategy decisions:")
             lines += [f"  {d}" for d in self.decisions]
+        if self.execution:
+            lines.append("execution:")
+            lines += [f"  {e}" for e in self.execution]
         if self.memory:
             lines.append(f"estimated peak memory: {self.memory['estimated_peak_bytes'] / 2**20:.2f} MiB")
         if self.kernels is not None and self.kernels.mode != "off":

@@ -28,6 +28,7 @@ from fleetc.passes.fusion import (
     FuseOptimizerOps,
 )
 from fleetc.passes.gradient_merge import GradientMerge
+from fleetc.passes.memory import InplacePointwise
 from fleetc.passes.optimizers import AdaptiveLocalSGD, GradClip, GradientClip, Lamb, Lars, LocalSGD
 from fleetc.passes.parameter_server import ParameterServerRewrite
 from fleetc.passes.precision import AutoMixedPrecision
@@ -66,6 +67,7 @@ PASS_ORDER: tuple[type, ...] = (
     # (sharding and the pipeline-parallel split go here)
     FuseOptimizerOps,  # one multi-tensor update per group
     DeadCodeElimination,  # results nobody reads (e.g. saved stats of unused outputs)
+    InplacePointwise,  # memory planning, last: liveness of the final Program decides what may be overwritten
 )
 
 
@@ -101,8 +103,6 @@ _PENDING = (
     ("sharding", "the sharding pass"),
     ("build_strategy.fuse_relu_depthwise_conv", "a relu+depthwise-conv fusion pass"),
     ("build_strategy.fuse_broadcast_ops", "a broadcast fusion pass (data parallel only)"),
-    ("build_strategy.enable_inplace", "in-place memory reuse"),
-    ("build_strategy.enable_sequential_execution", "the multi-threaded scheduler (execution is already sequential)"),
 )
 
 
@@ -113,13 +113,12 @@ def _lookup(config: Any, dotted: str) -> Any:
     return value
 
 
-# Execution settings the sequential runtime cannot honour yet: (dotted field, default, what happens instead).
+# Execution settings that do not apply to fleetc's modes: (dotted field, default, why). The others are the runtime's
+# (fleetc/runtime/execution.py, listed under the report's `execution:`).
 _EXECUTION = (
-    ("execution_strategy.num_threads", 1, "ops run on one thread (the multi-threaded scheduler is not built yet)"),
-    ("execution_strategy.num_iteration_per_run", 1, "each step() runs exactly one iteration"),
-    ("execution_strategy.num_iteration_per_drop_scope", 10,
-     "temporaries are freed right after their last use in every iteration, so there is no scope to drop"),
-    ("execution_strategy.use_thread_barrier", False, "ops run on one thread, so there is nothing to synchronise"),
+    ("execution_strategy.use_thread_barrier", False,
+     "not applicable: a parameter-server setting (Paddle's a_sync mode); outside PS mode the scheduler joins its "
+     "threads at the end of every step anyway"),
 )
 
 
@@ -151,7 +150,8 @@ def strategy_requests_without_pass(config: Any) -> dict[str, str]:
     """Fields set in `config` that this version does not act on → why nothing changed."""
     notes = {field: f"not applied: {what} is not implemented in this version of fleetc{_unused_settings(config, field)}"
              for field, what in _PENDING if _lookup(config, field) is True}
-    notes.update({field: f"not applied: {why}" for field, default, why in _EXECUTION + _NOTHING_TO_ACT_ON
+    notes.update({field: why for field, default, why in _EXECUTION if _lookup(config, field) != default})
+    notes.update({field: f"not applied: {why}" for field, default, why in _NOTHING_TO_ACT_ON
                   if _lookup(config, field) != default})
     notes.update({path: f"not applied: a Paddle setting fleetc accepts but does not implement "
                         f"({DISTRIBUTED_SCHEMA.fields[path].doc.removeprefix('Paddle: ')})"

@@ -1,7 +1,10 @@
 """Measures the peak bytes of the tensors a running step holds (each storage counted once)."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
+from torch._C._profiler import _EventType
 
 
 class MemoryTracker:
@@ -47,3 +50,18 @@ class MemoryTracker:
                 self.live -= entry[1]
                 del self.storages[key]
 
+
+
+def allocation_peak_bytes(fn: Callable[[], object]) -> int:
+    """The peak of tensor bytes `fn` holds allocated above what was live when it started, read from torch.profiler's
+    allocation events (the CPU allocator's running total). Measures eager PyTorch and a compiled step alike, which
+    the tracker above cannot (eager's autograd keeps saved tensors where no Python name holds them)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    peak, stack = 0, list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        if event.typed[0] == _EventType.Allocation:
+            peak = max(peak, event.typed[1].total_allocated)
+    return peak

@@ -10,6 +10,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch
+
 from fleetc.ir.liveness import last_use_index
 from fleetc.ir.program import CONDITIONAL_BLOCK, Block, Op, Program, Ref, VarKind
 from fleetc.ir.registry import resolve_callable
@@ -17,10 +19,26 @@ from fleetc.ir.registry import resolve_callable
 _SIMPLE = (bool, int, str, type(None))
 
 
-def _returns_list(kernel: Callable) -> bool:
+def returns_list(kernel: Callable) -> bool:
     """An aten op returning one Tensor[] (`_foreach_norm`): even a one-element result unpacks into its Var."""
     schema = getattr(kernel, "_schema", None)
     return schema is not None and len(schema.returns) == 1 and str(schema.returns[0].type) == "List[Tensor]"
+
+
+def returned_outputs(program: Program, op: Op, block: Block) -> list[str | None]:
+    """The outputs a call of `op` returns, in order: its temporaries (None for a result nobody reads); persistable
+    outputs are updated in place and not returned (fleetc/ir/registry.py)."""
+    names: list[str | None] = []
+    for name in op.outputs:
+        var = program.find_var(name, block.idx) if name else None
+        if var is None or var.kind is VarKind.TEMP:
+            names.append(name)
+    return names
+
+
+def unpacks(op: Op, returned: list[str | None], kernel: Callable) -> bool:
+    """Whether a call's result is a sequence to unpack into `returned`, rather than the one value itself."""
+    return not (len(op.outputs) == 1 and len(returned) == 1 and not returns_list(kernel))
 
 
 @dataclass
@@ -33,9 +51,10 @@ class GeneratedStep:
 
 
 class _Emitter:
-    def __init__(self, program: Program, measure_memory: bool, op_callables: dict[str, Callable]):
+    def __init__(self, program: Program, measure_memory: bool, op_callables: dict[str, Callable], profile: bool):
         self.program = program
         self.measure = measure_memory
+        self.profile = profile
         self.op_callables = op_callables
         self.lines: list[str] = []
         self.globals: dict[str, Any] = {}
@@ -86,21 +105,22 @@ class _Emitter:
         return self.kernel_names[op_type]
 
     def emit_op(self, op: Op, block: Block, indent: str) -> None:
+        if self.profile:
+            self.globals["record_function"] = torch.profiler.record_function
+            self.lines.append(f"{indent}with record_function({profile_label(op)!r}):")
+            indent += "    "
         if op.type == CONDITIONAL_BLOCK:
             self.lines.append(f"{indent}if {self.expr(op.args[0])}:  # {op.name}")
             self.emit_block(self.program.blocks[op.sub_block], indent + "    ")
             return
-        temps = []
-        for name in op.outputs:
-            var = self.program.find_var(name, block.idx) if name else None
-            if var is None or var.kind is VarKind.TEMP:
-                temps.append(self.local(name) if name else "_")
+        returned = returned_outputs(self.program, op, block)
+        temps = [self.local(name) if name else "_" for name in returned]
         call = ", ".join([self.expr(a) for a in op.args] + [f"{k}={self.expr(v)}" for k, v in op.kwargs.items()])
         kernel = self.kernel(op)
         call = f"{kernel}({call})"
         if not temps:
             self.lines.append(f"{indent}{call}  # {op.name}")
-        elif len(op.outputs) == 1 and len(temps) == 1 and not _returns_list(self.globals[kernel]):
+        elif not unpacks(op, returned, self.globals[kernel]):
             self.lines.append(f"{indent}{temps[0]} = {call}  # {op.name}")
         else:
             self.lines.append(f"{indent}{', '.join(temps)}, = {call}  # {op.name}")
@@ -141,13 +161,23 @@ class _Emitter:
         return "\n".join(self.lines) + "\n"
 
 
+def profile_label(op: Op) -> str:
+    """The `record_function` range an op runs under when profiled: its module path and Program op name (`fc1/addmm`)."""
+    return f"{op.module_path}/{op.name}" if op.module_path else op.name
+
+
+def profiler_active() -> bool:
+    """Whether torch.profiler (or the autograd profiler) is recording: torch's global flag, or this thread's state."""
+    return torch.autograd.profiler._is_profiler_enabled or torch.autograd._profiler_enabled()
+
+
 def generate_step(program: Program, *, measure_memory: bool = False,
-                  op_callables: dict[str, Callable] | None = None) -> GeneratedStep:
+                  op_callables: dict[str, Callable] | None = None, profile: bool = False) -> GeneratedStep:
     """Compile the Program into a Python function `step(state, feeds, mem) -> {fetch key: value}`.
 
     `op_callables` maps op names to what runs them instead of their type's function (the CPU backend's
-    per-op kernels)."""
-    emitter = _Emitter(program, measure_memory, op_callables or {})
+    per-op kernels). `profile` runs every op under a `record_function` range (`profile_label`), for torch.profiler."""
+    emitter = _Emitter(program, measure_memory, op_callables or {}, profile)
     source = emitter.generate()
     namespace = dict(emitter.globals)
     exec(compile(source, f"<fleetc step {program.metadata.get('kind', '')}>", "exec"), namespace)

@@ -56,6 +56,7 @@ def train(rank: int, world: int, config: dict) -> dict:
     starts = [block.idx for block, op in program.walk_ops() if op.type == "fleetc.c_allreduce_start"]
     return {"initial": initial, "losses": losses, "state": model.state_dict(),
             "collectives": len(starts), "start_blocks": sorted(set(starts)), "report": trainer.report().stats,
+            "execution": trainer.report().execution,
             "update_block": program.metadata.get("gradient_merge", {}).get("update_block"),
             "groups": program.metadata["collective_groups"]}
 
