@@ -188,6 +188,9 @@ def format_memory(memory: MemoryEstimate) -> str:
     lines += [f"#   {name:<{width}}  {live}" for name, live in memory.live_after_op]
     lines.append(f"# peak: {memory.peak_bytes} bytes ({memory.peak_bytes / 2**20:.2f} MiB) "
                  f"after op {memory.peak_op or '-'}")
+    if memory.formula:  # a dynamic Program: the numbers are at its traced sizes
+        sizes = ", ".join(f"{name}={size}" for name, size in memory.sizes.items())
+        lines.append(f"# peak formula: {memory.formula} bytes (the numbers above are for {sizes})")
     return "\n".join(lines)
 
 

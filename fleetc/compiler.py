@@ -134,6 +134,7 @@ class CompiledTrainer:
         self._steps = 0
         self._last_train: CompiledStep | None = None
         self._last_eval: CompiledStep | None = None
+        self._last_shapes: list[torch.Size] = []
         self._optimizer_signature = OptimizerSignature()
 
     # ----- compiling -------------------------------------------------------------------------
@@ -265,6 +266,8 @@ class CompiledTrainer:
         self._steps += 1
         compiled, leaves = self._lookup("train", args, kwargs)
         self._last_train = compiled
+        if compiled.shapes is not None:
+            self._last_shapes = [leaves[i].shape for i in compiled.tensor_positions]  # memory_stats() sizes
         self._refuse_accumulating_post_hooks(compiled)
         tensors = [leaves[i] for i in compiled.tensor_positions]
         feeds = _fed(compiled, tensors) + compiled.hyper_feeds.values()  # before resolve(), which creates missing optimizer state
@@ -361,8 +364,11 @@ class CompiledTrainer:
         return self._require_train().executable.source
 
     def memory_stats(self) -> dict[str, Any]:
+        """The estimated peak (and the measured one under measure_memory=True). For a dynamic Program the
+        estimate is for the last step's sizes, with `estimated_peak_formula` in the dim names."""
         compiled = self._require_train()
-        stats = estimate_memory(compiled.program).as_dict()
+        sizes = compiled.shapes.sizes(self._last_shapes) if compiled.shapes is not None else None
+        stats = estimate_memory(compiled.program, sizes).as_dict()
         if compiled.executable.last_measured_peak_bytes is not None:
             stats["measured_peak_bytes"] = compiled.executable.last_measured_peak_bytes
         return stats

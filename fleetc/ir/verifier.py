@@ -70,6 +70,13 @@ class _ShapeChecker:
                 self.fakes[name] = torch.empty(self.shape(var), dtype=var.torch_dtype, device=var.device)
         return self.fakes[name]
 
+    def scalar(self, op: Op, block_idx: int) -> None:
+        """Compute a host-scalar op on the values known (sizes at the traced sizes), for the ops that read it."""
+        to_value = lambda r: self.fake(r.name, block_idx)  # noqa: E731
+        result = resolve_callable(op.type)(*map_refs(op.args, to_value), **map_refs(op.kwargs, to_value))
+        if op.outputs and op.outputs[0] is not None and isinstance(result, (int, float, bool)):
+            self.fakes[op.outputs[0]] = result
+
     def check(self, op: Op, block_idx: int) -> str | None:
         fn = resolve_callable(op.type)
         to_fake = lambda r: self.fake(r.name, block_idx)  # noqa: E731
@@ -174,6 +181,8 @@ def _verify_block(program: Program, block: Block, defined: set[str], definer: di
                 raise _fail(program, block, i, f"sub_block {sub.idx} has parent {sub.parent_idx}, not {block.idx}",
                             after_pass)
             _verify_block(program, sub, set(defined), definer, checker, after_pass, visiting)
+        elif checker is not None and op.type.startswith("fleetc.scalar_"):
+            checker.scalar(op, block.idx)  # a dynamic Program's size arithmetic: later shapes depend on it
         elif checker is not None and op.type.startswith("aten."):
             problem = checker.check(op, block.idx)
             if problem:

@@ -64,6 +64,10 @@ class ShapeGuards:
             text = text.replace(f"__{name}__", where)
         return text
 
+    def sizes(self, shapes: list[tuple]) -> dict[str, int]:
+        """Each dim name's size in a call with these input shapes."""
+        return {name: int(shapes[i][d]) for name, (i, d) in self.sources.items() if name in self.info["dims"]}
+
     def passes(self, shapes: list[tuple]) -> bool:
         return self._fn(shapes)
 
