@@ -36,3 +36,28 @@ def sym_nbytes(shape: tuple | None, dtype: str) -> int | sympy.Expr:
 def hints(program: Any) -> dict[str, int]:
     """The sizes a dynamic Program was traced with (empty for a static one)."""
     return program.metadata.get("dynamic", {}).get("hints", {})
+
+
+def concrete_shape(shape: tuple, sizes: dict[str, int]) -> tuple[int, ...]:
+    """A Var shape with its symbolic dims evaluated at `sizes` (fake tensors need ints)."""
+    return tuple(sym_value(d, sizes) for d in shape)
+
+
+def traced_sizes(program: Any) -> dict[str, int]:
+    """The values a dynamic Program's size ops (`aten.sym_size.int`, `fleetc.scalar_*` on sizes) compute at its
+    traced sizes, by Var name: what a pass that runs ops on fake tensors (AMP's dtype inference) feeds them."""
+    from fleetc.ir.program import Ref
+    from fleetc.ir.registry import resolve_callable
+
+    sizes, values = hints(program), {}
+    if not sizes:
+        return values
+    for op in program.global_block.ops:
+        if op.type == "aten.sym_size.int" and isinstance(op.args[0], Ref):
+            shape = program.var(op.args[0].name).shape
+            values[op.outputs[0]] = sym_value(shape[op.args[1]], sizes)
+        elif op.type.startswith("fleetc.scalar_") and all(not isinstance(a, Ref) or a.name in values
+                                                          for a in op.args):
+            args = [values[a.name] if isinstance(a, Ref) else a for a in op.args]
+            values[op.outputs[0]] = resolve_callable(op.type)(*args)
+    return values
