@@ -9,6 +9,7 @@ names; the per-call check (fleetc/runtime/guards/shapes.py) evaluates them on th
 """
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +48,14 @@ def _range(shape_env: Any, symbol: sympy.Symbol) -> list[int | None]:
         return [0, None]
     upper = bounds.upper
     return [int(bounds.lower), int(upper) if upper.is_Integer else None]
+
+
+def _where(guard: Any) -> str:
+    """Where a ShapeEnv guard was made: the user's frame when torch knows it, else torch's own."""
+    frame = guard.sloc.maybe_user_loc or guard.sloc.framework_loc
+    if frame is None or isinstance(frame, str):
+        return frame or ""
+    return f"{os.path.basename(frame.filename)}:{frame.lineno} in {frame.name}"
 
 
 class SymbolTable:
@@ -94,6 +103,7 @@ class SymbolTable:
                     name = re.sub(r"\W", "_", f"{feed_names[position]}_{dim}")
                     self.rename[expr] = sympy.Symbol(name, integer=True, positive=True)
                     self.aliases[name] = [feed_names[position], dim]
+        self.guard_sources: dict[str, str] = {}  # guard → where the trace made it (file:line in function)
         self.guards = self._guards()
 
     def _raw(self, size: Any) -> sympy.Basic:
@@ -121,9 +131,10 @@ class SymbolTable:
             text = str(expr)
             if text not in guards:
                 guards.append(text)
+                self.guard_sources[text] = _where(guard)
         return guards
 
     def metadata(self) -> dict:
         """What `metadata["dynamic"]` holds: JSON-ready, read by the shape check and the report."""
         return {"dims": self.dims, "ranges": self.ranges, "hints": self.hints, "guards": self.guards,
-                "aliases": self.aliases, "specialised": self.specialised}
+                "guard_sources": self.guard_sources, "aliases": self.aliases, "specialised": self.specialised}

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fleetc.capture import DynamicDims
 from fleetc.comm import env, groups, host
 from fleetc.comm.faults import collective_failed
 from fleetc.comm.mesh import resolve_mesh
@@ -80,8 +81,8 @@ class DataParallelTrainer(CompiledTrainer):
         program.metadata["data_parallel"] = {"world_size": self.world_size}
         return super()._optimize(program, capture_seconds)
 
-    def _compile(self, kind: str, args: tuple, kwargs: dict) -> CompiledStep:
-        compiled = super()._compile(kind, args, kwargs)
+    def _compile(self, kind: str, args: tuple, kwargs: dict, dynamic: DynamicDims) -> CompiledStep:
+        compiled = super()._compile(kind, args, kwargs, dynamic)
         if self.world_size > 1 and kind == "train":
             # The plan check first: a dead rank or a disagreement fails here, cleanly, before group creation waits.
             check_plans_agree(compiled.program, {"the optimizer's settings": optimizer_settings(self.optimizer)})

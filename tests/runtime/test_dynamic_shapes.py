@@ -98,6 +98,14 @@ def test_the_ir_of_a_dynamic_program_prints_parses_serialises_and_estimates_memo
     assert _evaluate(stats["estimated_peak_formula"], stats["estimated_for_sizes"]) == stats["estimated_peak_bytes"]
     assert stats["estimated_peak_bytes"] > small.peak_bytes
     assert trainer.report().compiles == 1
+    for batch, seq in [(3, 5), (6, 12)]:  # the eval step: one dynamic Program too
+        x, _ = _batch(batch, seq, g)
+        with torch.no_grad():
+            expected = model.eval()(x)
+        model.train()
+        torch.testing.assert_close(trainer(x), expected, rtol=1e-5, atol=1e-6)
+    assert [str(d) for d in trainer.eval_program.var("idx").shape] == ["batch", "seq"]
+    assert trainer.report().compiles == 2
 
 
 def _evaluate(formula: str, sizes: dict[str, int]) -> int:

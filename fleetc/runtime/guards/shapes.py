@@ -102,6 +102,8 @@ class ShapeGuards:
             low, high = self.info["ranges"][name]
             lines.append(f"{name} = {feed}.size({dim}), {low} <= {name}" + (f" <= {high}" if high else ""))
         lines += [f"{name} = {feed}.size({dim})" for name, (feed, dim) in self.info["aliases"].items()]
-        lines += [f"guard {text}" for text, _ in self.relations]
+        sources = self.info.get("guard_sources", {})
+        lines += [f"guard {text}" + (f" (made at {sources[text]})" if sources.get(text) else "")
+                  for text, _ in self.relations]
         lines += [f"specialised (the model fixes it): {text}" for text in self.info["specialised"]]
         return lines
