@@ -26,9 +26,9 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 
-from zoo import TinyGPT, _lm_loss  # noqa: E402
+from zoo import TinyGPT, _lm_loss
 
-import fleetc  # noqa: E402
+import fleetc
 
 VARIANTS = ("static", "dynamic", "eager", "torch.compile")
 

@@ -46,8 +46,8 @@ from fleetc.runtime.checkpoint import (
     rng_state,
     save_checkpoint,
 )
-from fleetc.runtime.executor import Executable
 from fleetc.runtime.dynamic_policy import DynamicPolicy
+from fleetc.runtime.executor import Executable
 from fleetc.runtime.guards import GuardCheck, input_key, observe_guards
 from fleetc.runtime.guards.shapes import ShapeGuards
 from fleetc.runtime.hyperparameters import HyperparameterFeeds

@@ -32,14 +32,14 @@ class DynamicDims:
 
     def export_shapes(self, tensors: tuple[torch.Tensor, ...]) -> tuple:
         """torch.export's `dynamic_shapes` for a module whose forward is `forward(*tensors)`."""
-        from torch.export import Dim  # pulls in torch._dynamo: only when tracing dynamically
+        from torch.export import Dim  # torch._dynamo: imported only when tracing dynamically
 
         return (tuple({d: Dim.AUTO for d in self.dims.get(i, {})} or None for i in range(len(tensors))),)
 
     def masked(self, position: int, shape: tuple[int, ...]) -> tuple:
         """`shape` with the dynamic dims of input `position` replaced by their names (the cache key's form)."""
         marks = self.dims.get(position, {})
-        return tuple(marks.get(d, size) if d in marks else size for d, size in enumerate(shape))
+        return tuple(marks.get(d, size) for d, size in enumerate(shape))
 
 
 def _range(shape_env: Any, symbol: sympy.Symbol) -> list[int | None]:

@@ -9,6 +9,7 @@ from typing import Any, Iterator
 import torch
 
 from fleetc.ir.html import HtmlViewable
+from fleetc.ir.symbolic import sym_value
 
 
 class OpRole(enum.IntFlag):
@@ -88,11 +89,9 @@ class Var:
             return 0
         numel = 1
         for d in self.shape:
-            if not isinstance(d, int):
-                if not sizes or any(s.name not in sizes for s in d.free_symbols):
-                    return 0
-                d = int(d.xreplace({s: sizes[s.name] for s in d.free_symbols}))
-            numel *= d
+            if not isinstance(d, int) and (not sizes or any(s.name not in sizes for s in d.free_symbols)):
+                return 0
+            numel *= sym_value(d, sizes or {})
         return numel * torch.empty((), dtype=self.torch_dtype).element_size()
 
 

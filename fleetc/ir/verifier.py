@@ -72,7 +72,9 @@ class _ShapeChecker:
 
     def scalar(self, op: Op, block_idx: int) -> None:
         """Compute a host-scalar op on the values known (sizes at the traced sizes), for the ops that read it."""
-        to_value = lambda r: self.fake(r.name, block_idx)  # noqa: E731
+        def to_value(ref: Ref) -> Any:
+            return self.fake(ref.name, block_idx)
+
         result = resolve_callable(op.type)(*map_refs(op.args, to_value), **map_refs(op.kwargs, to_value))
         if op.outputs and op.outputs[0] is not None and isinstance(result, (int, float, bool)):
             self.fakes[op.outputs[0]] = result

@@ -43,7 +43,7 @@ def _eager_step(model, optimizer, x, y) -> torch.Tensor:
 
 def _assert_same_params(model, reference) -> None:
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_one_program_serves_batch_1_to_64_and_seq_1_to_max_and_matches_eager():

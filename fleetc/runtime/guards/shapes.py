@@ -13,8 +13,8 @@ import math
 import sympy
 
 from fleetc.ir.program import Program, VarKind
-from fleetc.ir.symbolic import sym_value
 from fleetc.ir.sym_parse import make_symbols, parse_sym
+from fleetc.ir.symbolic import sym_value
 
 # sympy functions a guard may use → plain Python (the generated check runs on ints, never on sympy objects).
 _PY = {"Eq": lambda a, b: a == b, "Ne": lambda a, b: a != b, "Mod": lambda a, b: a % b,
