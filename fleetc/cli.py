@@ -188,6 +188,9 @@ def format_memory(memory: MemoryEstimate) -> str:
     lines += [f"#   {name:<{width}}  {live}" for name, live in memory.live_after_op]
     lines.append(f"# peak: {memory.peak_bytes} bytes ({memory.peak_bytes / 2**20:.2f} MiB) "
                  f"after op {memory.peak_op or '-'}")
+    if memory.formula:  # a dynamic Program: the numbers are at its traced sizes
+        sizes = ", ".join(f"{name}={size}" for name, size in memory.sizes.items())
+        lines.append(f"# peak formula: {memory.formula} bytes (the numbers above are for {sizes})")
     return "\n".join(lines)
 
 
@@ -214,7 +217,8 @@ def dump_ir(options: argparse.Namespace) -> int:
     spec = _step_spec(_call_factory(_import_factory(options.factory), options.factory), options.factory)
     strategy = _load_strategy(options.strategy) if options.strategy else spec.strategy
     trainer = fleetc.compile(spec.model, strategy, optimizer=spec.optimizer, loss_fn=spec.loss_fn,
-                             verify=options.verify, disable_passes=options.disable_pass)
+                             verify=options.verify, disable_passes=options.disable_pass,
+                             dynamic=True if options.dynamic else None)
     trainer.step(*spec.args, **spec.kwargs)
     records = _select(trainer.history, options)
     if options.dir is not None:
@@ -318,6 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--memory", action="store_true",
                       help="after each Program, list the estimated live bytes after every op and the peak")
     dump.add_argument("--verify", action="store_true", help="run the IR verifier after every pass")
+    dump.add_argument("--dynamic", action="store_true",
+                      help="trace the batch and sequence dims symbolically (docs/dynamic_shapes.md); with --memory "
+                           "the peak is also printed as a formula in them")
     dump.add_argument("--kernels", action="store_true",
                       help="after the Program, print the Triton (CUDA) and C++ (CPU) source generated for each fused op "
                            "(text format)")

@@ -12,14 +12,16 @@ from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from fleetc.capture import (
+    DynamicDims,
     OptimizerSignature,
     capture_eval_program,
     capture_train_program,
+    tensor_feed_names,
 )
 from fleetc.capture.hooks import optimizer_step_hooks, run_step_hooks
 from fleetc.capture.to_program import INPUT_GRAD_FETCH
 from fleetc.codegen.cpu.backend import resolve_mode
-from fleetc.errors import CaptureError, PassError, StrategyError
+from fleetc.errors import CaptureError, GuardError, PassError, StrategyError
 from fleetc.ir.liveness import estimate_memory
 from fleetc.ir.program import Program
 from fleetc.ir.verifier import verify
@@ -45,8 +47,10 @@ from fleetc.runtime.checkpoint import (
     save_checkpoint,
 )
 from fleetc.runtime.execution import ExecutionPlan
+from fleetc.runtime.dynamic_policy import DynamicPolicy
 from fleetc.runtime.executor import Executable
 from fleetc.runtime.guards import GuardCheck, input_key, observe_guards
+from fleetc.runtime.guards.shapes import ShapeGuards
 from fleetc.runtime.hyperparameters import HyperparameterFeeds
 from fleetc.runtime.state import StateBinding
 from fleetc.runtime.step_cache import DEFAULT_CACHE_LIMIT, StepCache
@@ -79,6 +83,7 @@ class CompiledStep:
     out_spec: TreeSpec | None = None
     hyper_feeds: HyperparameterFeeds | None = None  # the optimizer's values the Program is fed every step
     post_hooked: list = ()  # without an optimizer: (name, param) of params with post-accumulate-grad hooks
+    shapes: ShapeGuards | None = None  # a dynamic Program's shape guards (None: static, the cache key decides)
 
 
 @contextlib.contextmanager
@@ -102,8 +107,10 @@ class CompiledTrainer:
                  disable_passes: Iterable[str] = (), print_after: str | None = None,
                  recompute_policy: RecomputePolicy | None = None, grad_clip: GradClip | None = None,
                  cpu_kernels: str | None = None, on_guard_failure: str = "recompile",
-                 cache_limit: int = DEFAULT_CACHE_LIMIT):
+                 cache_limit: int = DEFAULT_CACHE_LIMIT, dynamic: bool | None = None,
+                 dynamic_dims: dict[str, dict[int, str]] | None = None):
         self.model = model
+        self.dynamic = DynamicPolicy(dynamic, dynamic_dims)
         self.cpu_kernels = resolve_mode(cpu_kernels)
         self.recompute_policy = recompute_policy
         if grad_clip is not None and optimizer is None:
@@ -129,6 +136,7 @@ class CompiledTrainer:
         self._steps = 0
         self._last_train: CompiledStep | None = None
         self._last_eval: CompiledStep | None = None
+        self._last_shapes: list[torch.Size] = []
         self._optimizer_signature = OptimizerSignature()
 
     # ----- compiling -------------------------------------------------------------------------
@@ -160,14 +168,24 @@ class CompiledTrainer:
         report.memory = history[-1].memory.as_dict()
         return final, history, report
 
-    def _compile(self, kind: str, args: tuple, kwargs: dict) -> CompiledStep:
+    def _capture(self, kind: str, args: tuple, kwargs: dict, dynamic: DynamicDims) -> tuple[Program, Any]:
+        if dynamic and self.dynamic.dynamic is None and not self.dynamic.named:
+            try:  # dims marked automatically: a model that cannot be traced symbolically is compiled static
+                return self._trace(kind, args, kwargs, dynamic)
+            except CaptureError as exc:
+                self.dynamic.give_up(kind, str(exc).splitlines()[0])
+        return self._trace(kind, args, kwargs, dynamic)
+
+    def _trace(self, kind: str, args: tuple, kwargs: dict, dynamic: DynamicDims) -> tuple[Program, Any]:
+        if kind == "train":
+            return capture_train_program(self.model, self.loss_fn, self.optimizer, args, kwargs, dynamic), None
+        with _eval_mode(self.model):
+            return capture_eval_program(self.model, args, kwargs, dynamic)
+
+    def _compile(self, kind: str, args: tuple, kwargs: dict, dynamic: DynamicDims) -> CompiledStep:
         start = time.perf_counter()
         progress_stage("capture")
-        if kind == "train":
-            program, out_spec = capture_train_program(self.model, self.loss_fn, self.optimizer, args, kwargs), None
-        else:
-            with _eval_mode(self.model):
-                program, out_spec = capture_eval_program(self.model, args, kwargs)
+        program, out_spec = self._capture(kind, args, kwargs, dynamic)
         final, history, report = self._optimize(program, time.perf_counter() - start)
         progress_stage("codegen")
         executable = Executable(final, measure_memory=self.measure_memory, cpu_kernels=self.cpu_kernels,
@@ -185,25 +203,38 @@ class CompiledTrainer:
         accumulates = self.optimizer is None and kind == "train"  # into p.grad, across steps
         post_hooked = [(n, p) for n, p in self.model.named_parameters()
                        if accumulates and getattr(p, "_post_accumulate_grad_hooks", None)]
+        shapes = ShapeGuards(final) if "dynamic" in final.metadata else None
+        if shapes is not None:
+            report.guards += [f"shape: {line}" for line in shapes.summary()]
         return CompiledStep(final, history, executable, binding, report, GuardCheck(record, self.model, self.optimizer),
                             [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)], out_spec,
-                            HyperparameterFeeds(final, self.model, self.optimizer), post_hooked)
+                            HyperparameterFeeds(final, self.model, self.optimizer), post_hooked, shapes)
 
-    def _key(self, kind: str, leaves: list, spec: TreeSpec) -> tuple:
-        key: tuple = (("inputs", input_key(leaves, spec)),)
+    def _key(self, kind: str, leaves: list, spec: TreeSpec, dynamic: DynamicDims | None = None) -> tuple:
+        key: tuple = (("inputs", input_key(leaves, spec, dynamic)),)
         if kind == "train" and self.optimizer is not None:
             key += self._optimizer_signature(self.optimizer)
         return key
 
+    def _feed_names(self, kind: str, args: tuple, kwargs: dict) -> Callable[[], list[str]]:
+        return lambda: tensor_feed_names(self.model, args, kwargs, kind == "train" and self.loss_fn is not None)
+
     def _lookup(self, kind: str, args: tuple, kwargs: dict) -> tuple[CompiledStep, list]:
         leaves, spec = tree_flatten((args, kwargs))
-        compiled, reason = self._cache.lookup(kind, self._key(kind, leaves, spec))
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        dynamic = self.dynamic.dims(kind, tensors, self._feed_names(kind, args, kwargs))
+        key = self._key(kind, leaves, spec, dynamic)
+        compiled, reason = self._cache.lookup(kind, key, [t.shape for t in tensors])
         if compiled is None:
+            if reason is not None and reason.startswith("shape guard") and self._cache.on_guard_failure == "error":
+                raise GuardError(f"{reason} (fleetc.compile(..., on_guard_failure='error') forbids recompiling; "
+                                 "call with sizes the guard allows or compile with on_guard_failure='recompile')")
             with CompileProgress(f"fleetc: compiling the {kind} step"), _gc_paused():
-                compiled = self._compile(kind, args, kwargs)
+                compiled = self._compile(kind, args, kwargs, dynamic)
             # The key holds the signs of the hyperparameters an update branches on, learned from the capture.
             self._optimizer_signature.learn(compiled.program)
-            self._cache.add(kind, self._key(kind, leaves, spec), compiled, reason, self._steps)
+            note = f"; traced symbolic in {_describe(dynamic, compiled)}" if dynamic or dynamic.gave_up else ""
+            self._cache.add(kind, self._key(kind, leaves, spec, dynamic), compiled, reason, self._steps, note)
         return compiled, leaves
 
     # ----- running ---------------------------------------------------------------------------
@@ -248,9 +279,11 @@ class CompiledTrainer:
         self._steps += 1
         compiled, leaves = self._lookup("train", args, kwargs)
         self._last_train = compiled
+        if compiled.shapes is not None:
+            self._last_shapes = [leaves[i].shape for i in compiled.tensor_positions]  # memory_stats() sizes
         self._refuse_accumulating_post_hooks(compiled)
         tensors = [leaves[i] for i in compiled.tensor_positions]
-        feeds = tensors + compiled.hyper_feeds.values()  # before resolve(), which creates missing optimizer state
+        feeds = _fed(compiled, tensors) + compiled.hyper_feeds.values()  # before resolve(), which creates missing optimizer state
         with self._optimizer_step_hooks(compiled):
             out = compiled.executable.run(compiled.binding.resolve(), feeds)
         self._store_grads(compiled.program, out, tensors)
@@ -282,7 +315,8 @@ class CompiledTrainer:
         """Forward only, with eval semantics (dropout off, BatchNorm running stats) and no grad."""
         compiled, leaves = self._lookup("eval", args, kwargs)
         self._last_eval = compiled
-        out = compiled.executable.run(compiled.binding.resolve(), [leaves[i] for i in compiled.tensor_positions])
+        out = compiled.executable.run(compiled.binding.resolve(),
+                                      _fed(compiled, [leaves[i] for i in compiled.tensor_positions]))
         outputs = [out[f"output.{i}"] for i in range(len(out))]
         return tree_unflatten(outputs, compiled.out_spec)
 
@@ -335,18 +369,37 @@ class CompiledTrainer:
         return self._last_eval.program
 
     def report(self) -> CompileReport:
-        return self._require_train().report
+        report = self._require_train().report
+        report.compiles = self._cache.compiles
+        return report
 
     def generated_source(self) -> str:
         """The Python the runtime generated for the training Program."""
         return self._require_train().executable.source
 
     def memory_stats(self) -> dict[str, Any]:
+        """The estimated peak (and the measured one under measure_memory=True). For a dynamic Program the
+        estimate is for the last step's sizes, with `estimated_peak_formula` in the dim names."""
         compiled = self._require_train()
-        stats = estimate_memory(compiled.program).as_dict()
+        sizes = compiled.shapes.sizes(self._last_shapes) if compiled.shapes is not None else None
+        stats = estimate_memory(compiled.program, sizes).as_dict()
         if compiled.executable.last_measured_peak_bytes is not None:
             stats["measured_peak_bytes"] = compiled.executable.last_measured_peak_bytes
         return stats
+
+
+def _fed(compiled: CompiledStep, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors a Program runs on: a dynamic one was traced on contiguous inputs (its views assume them)."""
+    return tensors if compiled.shapes is None else [t.contiguous() for t in tensors]
+
+
+def _describe(dynamic: DynamicDims, compiled: CompiledStep) -> str:
+    """The dims a Program was traced symbolic in, in words (the recompile log's reason)."""
+    info = compiled.program.metadata.get("dynamic")
+    if info is None:
+        return f"no dim: {dynamic.gave_up}" if dynamic.gave_up else "no dim"
+    dims = [f"{name} ({feed} dim {dim})" for name, (feed, dim) in info["dims"].items()]
+    return ", ".join(dims) or "no dim (the model fixes every size)"
 
 
 def compile(model: nn.Module, strategy: Any = None, *, optimizer: torch.optim.Optimizer | None = None,
@@ -354,7 +407,8 @@ def compile(model: nn.Module, strategy: Any = None, *, optimizer: torch.optim.Op
             disable_passes: Iterable[str] = (), print_after: str | None = None,
             recompute_policy: RecomputePolicy | None = None, grad_clip: GradClip | None = None,
             cpu_kernels: str | None = None, on_guard_failure: str = "recompile",
-            cache_limit: int = DEFAULT_CACHE_LIMIT) -> CompiledTrainer:
+            cache_limit: int = DEFAULT_CACHE_LIMIT, dynamic: bool | None = None,
+            dynamic_dims: dict[str, dict[int, str]] | None = None) -> CompiledTrainer:
     """Compile `model`'s training step under `strategy` (any fleetc strategy object, or None for defaults).
 
     Compilation is lazy: the first `step(*inputs)` captures and compiles for that input signature.
@@ -367,11 +421,15 @@ def compile(model: nn.Module, strategy: Any = None, *, optimizer: torch.optim.Op
     optimizer from `fleet.distributed_optimizer` gives a data-parallel trainer (its strategy applies when
     `strategy` is None). When something a compiled step assumed changes (see docs/guards.md), the step recompiles
     (`on_guard_failure="recompile"`, logged in `report().recompiles`) or raises GuardError (`"error"`); at most
-    `cache_limit` Programs per step kind are kept.
+    `cache_limit` Programs per step kind are kept. `dynamic` (None: static first, then symbolic in the dims that
+    changed; True: batch and sequence dims symbolic from the start; False: never) and `dynamic_dims`
+    (`{"input_ids": {0: "batch", 1: "seq"}}`) say which input dims a Program is traced symbolic in, so that one
+    Program serves many sizes (docs/dynamic_shapes.md); `report().compiles` counts the Programs compiled.
     """
     options = dict(loss_fn=loss_fn, measure_memory=measure_memory, verify=verify, disable_passes=disable_passes,
                    print_after=print_after, recompute_policy=recompute_policy, grad_clip=grad_clip,
-                   cpu_kernels=cpu_kernels, on_guard_failure=on_guard_failure, cache_limit=cache_limit)
+                   cpu_kernels=cpu_kernels, on_guard_failure=on_guard_failure, cache_limit=cache_limit,
+                   dynamic=dynamic, dynamic_dims=dynamic_dims)
     # An optimizer from fleet.distributed_optimizer builds its own (data-parallel) trainer: fleet sits above the
     # compiler and supplies it, so the compiler never imports the Fleet API.
     compile_trainer = getattr(optimizer, "compile_trainer", None)

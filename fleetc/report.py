@@ -27,6 +27,7 @@ class CompileReport:
     guards: list[str] = field(default_factory=list)  # what the Program assumed, one line per kind of guard
     recompiles: list[str] = field(default_factory=list)  # the trainer's recompiles so far, each with its reason
     execution: list[str] = field(default_factory=list)  # how the runtime runs the steps (execution_strategy)
+    compiles: int = 0  # Programs the trainer compiled so far (train and eval; see `recompiles` for why)
 
     def __str__(self) -> str:
         lines = [f"fleetc compile report: {self.ops_before} → {self.ops_after} ops in {self.compile_seconds:.2f} s"]
@@ -51,6 +52,8 @@ class CompileReport:
         if self.guards:
             lines.append("guards (a change recompiles):")
             lines += [f"  {g}" for g in self.guards]
+        if self.compiles:
+            lines.append(f"Programs compiled so far: {self.compiles}")
         if self.recompiles:
             lines.append("recompiles:")
             lines += [f"  {r}" for r in self.recompiles]

@@ -16,11 +16,13 @@ from torch._functorch._aot_autograd.descriptors import (
 )
 
 from fleetc.capture.fp16_guard import ATTR as FP16_GUARD
+from fleetc.capture.dynamic import SymbolTable
 from fleetc.capture.step_module import MODEL_ATTR
 from fleetc.capture.trace import user_frame_from_stack_trace
 from fleetc.errors import CaptureError
 from fleetc.ir.program import Op, OpRole, Program, Ref, Var, VarKind
 from fleetc.ir.usedef import Names
+from fleetc.ops.scalar import SCALAR_OPS
 
 LOSS_VAR = "loss"
 OUTPUT_VAR = "output"
@@ -46,15 +48,15 @@ def _raw_module_path(node: torch.fx.Node, backward: bool) -> str | None:
     return list(stack.values())[-1][0] if stack else None
 
 
-def _var_from_value(name: str, value: Any, kind: VarKind) -> Var:
+def _var_from_value(name: str, value: Any, kind: VarKind, symbols: SymbolTable | None = None) -> Var:
     if isinstance(value, torch.Tensor):
-        return Var(name, tuple(int(d) for d in value.shape), str(value.dtype).removeprefix("torch."),
-                   str(value.device), kind)
-    if isinstance(value, bool):
+        shape = tuple(symbols.expr(d) if symbols else int(d) for d in value.shape)
+        return Var(name, shape, str(value.dtype).removeprefix("torch."), str(value.device), kind)
+    if isinstance(value, (bool, torch.SymBool)):
         return Var(name, None, "bool", "cpu", kind)
-    if isinstance(value, int):
+    if isinstance(value, (int, torch.SymInt)):
         return Var(name, None, "int64", "cpu", kind)
-    if isinstance(value, float):
+    if isinstance(value, (float, torch.SymFloat)):
         return Var(name, None, "float64", "cpu", kind)
     raise CaptureError(f"value {name!r} of type {type(value).__name__} cannot be a Program variable")
 
@@ -79,8 +81,9 @@ class _Converter:
     """One pass over the FX graph, building the Program's global block."""
 
     def __init__(self, gm: torch.fx.GraphModule, feed_names: list[str], wrapped: bool, loss_ops: bool,
-                 canonical: dict[str, str]):
+                 canonical: dict[str, str], symbols: SymbolTable | None = None):
         self.gm = gm
+        self.symbols = symbols  # a symbolic trace's shape symbols, renamed for the Program
         self.canonical = canonical  # tied weights: every alias → the name named_parameters() reports
         self.feed_names = feed_names
         self.wrapped = wrapped  # graph of a TrainStep: names carry the `model.` prefix
@@ -99,11 +102,11 @@ class _Converter:
         desc = node.meta.get("desc")
         value = node.meta.get("val")
         if isinstance(desc, ParamAOTInput):
-            var = _var_from_value(self.name_of(desc.target), value, VarKind.PARAM)
+            var = _var_from_value(self.name_of(desc.target), value, VarKind.PARAM, self.symbols)
         elif isinstance(desc, BufferAOTInput):
-            var = _var_from_value(self.name_of(desc.target), value, VarKind.BUFFER)
+            var = _var_from_value(self.name_of(desc.target), value, VarKind.BUFFER, self.symbols)
         elif isinstance(desc, PlainAOTInput):
-            var = _var_from_value(self.feed_names[desc.idx], value, VarKind.DATA)
+            var = _var_from_value(self.feed_names[desc.idx], value, VarKind.DATA, self.symbols)
             self.program.feeds.append(var.name)
         elif isinstance(desc, TangentAOTInput):
             self.env[node] = "tangent"  # becomes ones_like(loss), emitted with the output node
@@ -157,22 +160,26 @@ class _Converter:
         if node.target is operator.getitem:
             parent, index = node.args
             outputs = self.env[parent]
-            var = _var_from_value(self.node_name(node), node.meta["val"], VarKind.TEMP)
+            var = _var_from_value(self.node_name(node), node.meta["val"], VarKind.TEMP, self.symbols)
             self.block.add_var(var)
             outputs[index] = var.name
             self.env[node] = Ref(var.name)
             return
-        if not isinstance(node.target, torch._ops.OpOverload):
+        if node.target in SCALAR_OPS and self.symbols is not None:
+            op_type = f"fleetc.{SCALAR_OPS[node.target]}"  # size arithmetic of a symbolic trace (`b * t`)
+        elif isinstance(node.target, torch._ops.OpOverload):
+            op_type = str(node.target)
+        else:
             raise CaptureError(f"graph node {node.name} calls {node.target!r}, which is not an aten operator")
         value = node.meta.get("val")
         name = self.node_name(node)
-        op = Op(name, str(node.target), tuple(self.arg(a) for a in node.args),
+        op = Op(name, op_type, tuple(self.arg(a) for a in node.args),
                 {k: self.arg(v) for k, v in node.kwargs.items()}, attrs=self.attrs(node))
         if isinstance(value, (tuple, list)):
             op.outputs = [None] * len(value)
             self.env[node] = op.outputs  # getitem nodes fill the slots they read
         else:
-            var = self.block.add_var(_var_from_value(name, value, VarKind.TEMP))
+            var = self.block.add_var(_var_from_value(name, value, VarKind.TEMP, self.symbols))
             op.outputs = [var.name]
             self.env[node] = Ref(var.name)
         if OpRole.FORWARD in op.role and node.meta.get("seq_nr") is not None:
@@ -293,12 +300,13 @@ class _Converter:
 
 
 def graph_to_program(gm: torch.fx.GraphModule, feed_names: list[str], *, wrapped: bool, loss_fn_given: bool,
-                     canonical: dict[str, str]) -> Program:
+                     canonical: dict[str, str], symbols: SymbolTable | None = None) -> Program:
     """The Program of a traced step; `wrapped` when the graph came from a TrainStep module.
 
-    `canonical` maps alias names of shared parameters/buffers to the one name the Program uses.
+    `canonical` maps alias names of shared parameters/buffers to the one name the Program uses; `symbols` (a
+    symbolic trace) turns SymInt sizes into sympy expressions in the Program's dim names.
     """
-    return _Converter(gm, feed_names, wrapped, loss_fn_given, canonical).run()
+    return _Converter(gm, feed_names, wrapped, loss_fn_given, canonical, symbols).run()
 
 
 class _Splicer(_Converter):

@@ -82,22 +82,41 @@ def capture_error(exc: BaseException, step: str) -> CaptureError:
     )
 
 
-def trace_step(module: nn.Module, args: tuple, kwargs: dict[str, Any], *,
-               train: bool) -> tuple[torch.fx.GraphModule, TreeSpec]:
-    """The joint (train) or forward-only (eval) aten graph of `module(*args, **kwargs)`, and its output spec.
+def trace_step(module: nn.Module, args: tuple, kwargs: dict[str, Any], *, train: bool,
+               dynamic_shapes: tuple | None = None) -> tuple[torch.fx.GraphModule, TreeSpec, tuple | None]:
+    """The joint (train) or forward-only (eval) aten graph of `module(*args, **kwargs)`, its output spec, and (with
+    `dynamic_shapes`, torch.export's argument) the symbolic fake inputs it was traced on (None when static).
 
     Placeholders and the output node carry AOTAutograd descriptors in `meta["desc"]`.
     """
     # Imported here: it pulls in torch._dynamo (seconds), which `import fleetc` and the CLI's --help need not pay.
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+    from torch._guards import detect_fake_mode
 
-    grad_mode = contextlib.nullcontext() if train else torch.no_grad()
+    grad_mode = contextlib.ExitStack()
+    if not train:
+        grad_mode.enter_context(torch.no_grad())
+    if dynamic_shapes is not None:
+        # Size-oblivious reasoning: a size-1 batch need not be its own Program unless the model branches on it
+        # (then a guard `Ne(seq, 1)` says so and size 1 recompiles once).
+        from torch.fx.experimental import _config as fx_config
+
+        grad_mode.enter_context(fx_config.patch(backed_size_oblivious=True))
     try:
         with torch.fx.traceback.preserve_node_meta(), grad_mode:
-            exported = torch.export.export(module, args, kwargs, strict=False)
+            exported = torch.export.export(module, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
+            fakes = None
+            if dynamic_shapes is not None:
+                # The joint export traces again: on the export's symbolic fake inputs, so the dims stay symbols.
+                user_inputs = set(exported.graph_signature.user_inputs)
+                fakes = tuple(node.meta["val"] for node in exported.graph.nodes
+                              if node.op == "placeholder" and node.name in user_inputs)
+                args = fakes
             with contextlib.ExitStack() as stack:
+                if fakes is not None:
+                    stack.enter_context(detect_fake_mode(fakes))
                 joint = aot_export_joint_with_descriptors(stack, exported.module(), args, kwargs)
-                return joint.graph_module, exported.call_spec.out_spec
+                return joint.graph_module, exported.call_spec.out_spec, fakes
     except CaptureError:
         raise
     except Exception as exc:  # torch raises many unrelated types here; all mean "could not capture"

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fleetc.capture import DynamicDims
 from fleetc.comm import env, groups, host
 from fleetc.comm.faults import collective_failed
 from fleetc.comm.mesh import resolve_mesh
@@ -63,11 +64,13 @@ class DataParallelTrainer(CompiledTrainer):
                  disable_passes: Iterable[str] = (), print_after: str | None = None,
                  recompute_policy: RecomputePolicy | None = None, grad_clip: GradClip | None = None,
                  cpu_kernels: str | None = None, on_guard_failure: str = "recompile",
-                 cache_limit: int = DEFAULT_CACHE_LIMIT):
+                 cache_limit: int = DEFAULT_CACHE_LIMIT, dynamic: bool | None = None,
+                 dynamic_dims: dict[str, dict[int, str]] | None = None):
         super().__init__(model, strategy, optimizer=optimizer, loss_fn=loss_fn, measure_memory=measure_memory,
                          verify=verify, disable_passes=disable_passes, print_after=print_after,
                          recompute_policy=recompute_policy, grad_clip=grad_clip, cpu_kernels=cpu_kernels,
-                         on_guard_failure=on_guard_failure, cache_limit=cache_limit)
+                         on_guard_failure=on_guard_failure, cache_limit=cache_limit, dynamic=dynamic,
+                         dynamic_dims=dynamic_dims)
         self.world_size = env.world_size()
         self.mesh, mesh_notes = resolve_mesh(self.config, self.world_size)
         self.decisions += [f"process mesh {self.mesh}", *mesh_notes]
@@ -78,8 +81,8 @@ class DataParallelTrainer(CompiledTrainer):
         program.metadata["data_parallel"] = {"world_size": self.world_size}
         return super()._optimize(program, capture_seconds)
 
-    def _compile(self, kind: str, args: tuple, kwargs: dict) -> CompiledStep:
-        compiled = super()._compile(kind, args, kwargs)
+    def _compile(self, kind: str, args: tuple, kwargs: dict, dynamic: DynamicDims) -> CompiledStep:
+        compiled = super()._compile(kind, args, kwargs, dynamic)
         if self.world_size > 1 and kind == "train":
             # The plan check first: a dead rank or a disagreement fails here, cleanly, before group creation waits.
             check_plans_agree(compiled.program, {"the optimizer's settings": optimizer_settings(self.optimizer)})

@@ -4,8 +4,11 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
+import sympy
+
 from fleetc.ir.program import Block, Op, Program, VarKind
 from fleetc.ir.registry import resolve_callable
+from fleetc.ir.symbolic import hints, sym_nbytes
 
 
 def block_reads(program: Program, op: Op) -> list[str]:
@@ -108,7 +111,11 @@ def last_use_index(program: Program, block: Block, keep: set[str]) -> dict[str, 
 
 @dataclass
 class MemoryEstimate:
-    """Static peak of live bytes: persistables and feeds all step long, temporaries while live."""
+    """Static peak of live bytes: persistables and feeds all step long, temporaries while live.
+
+    For a dynamic Program the numbers are at `sizes` (its traced sizes unless asked for others) and `formula`
+    is the peak in the dim names: the bytes live at the peak op, as a sympy expression (at other sizes another
+    op may peak; `estimate_memory(program, sizes)` finds it)."""
 
     peak_bytes: int
     peak_op: str
@@ -116,20 +123,46 @@ class MemoryEstimate:
     feed_bytes: int = 0
     peak_temporary_bytes: int = 0
     live_after_op: list[tuple[str, int]] = field(default_factory=list)
+    formula: str = ""  # a dynamic Program's peak as a formula in its dims ("" when static)
+    sizes: dict[str, int] = field(default_factory=dict)  # the dim sizes the numbers are for
 
     def as_dict(self) -> dict:
-        return {"estimated_peak_bytes": self.peak_bytes, "peak_op": self.peak_op,
-                "persistable_bytes": dict(self.persistable_bytes), "feed_bytes": self.feed_bytes,
-                "peak_temporary_bytes": self.peak_temporary_bytes}
+        stats = {"estimated_peak_bytes": self.peak_bytes, "peak_op": self.peak_op,
+                 "persistable_bytes": dict(self.persistable_bytes), "feed_bytes": self.feed_bytes,
+                 "peak_temporary_bytes": self.peak_temporary_bytes}
+        if self.formula:
+            stats.update(estimated_peak_formula=self.formula, estimated_for_sizes=dict(self.sizes))
+        return stats
 
 
-def estimate_memory(program: Program) -> MemoryEstimate:
-    """Walk the global block, counting each storage once (views add no bytes)."""
+def _peak_formula(program: Program, block: Block, peak_index: int, free_at: dict[int, list[str]],
+                  views: set[str]) -> str:
+    """The bytes live just after op `peak_index`, as a formula in the dim names."""
+    live = {v.name for v in program.persistables()} | set(program.feeds)
+    for i, op in enumerate(block.ops[:peak_index + 1]):
+        for name in op.defined:
+            var = program.find_var(name, block.idx)
+            if var is not None and var.kind is VarKind.TEMP and name not in views:
+                live.add(name)
+        if i < peak_index:
+            live -= set(free_at.get(i, ()))
+    total = sympy.Integer(0)
+    for name in sorted(live):
+        var = program.find_var(name, block.idx)
+        total += sym_nbytes(var.shape, var.dtype) if var is not None else 0
+    return str(sympy.factor_terms(sympy.expand(total)))
+
+
+def estimate_memory(program: Program, sizes: dict[str, int] | None = None) -> MemoryEstimate:
+    """Walk the global block, counting each storage once (views add no bytes). A dynamic Program's symbolic
+    sizes count at `sizes` (default: the sizes it was traced with), and the peak is also given as a formula."""
+    dynamic = "dynamic" in program.metadata
+    sizes = dict(sizes if sizes is not None else hints(program)) if dynamic else {}
     block = program.global_block
     by_kind: dict[str, int] = {}
     for var in program.persistables():
-        by_kind[var.kind.value] = by_kind.get(var.kind.value, 0) + var.nbytes()
-    feeds = sum(program.var(n).nbytes() for n in program.feeds)
+        by_kind[var.kind.value] = by_kind.get(var.kind.value, 0) + var.nbytes(sizes)
+    feeds = sum(program.var(n).nbytes(sizes) for n in program.feeds)
     base = sum(by_kind.values()) + feeds
     dead_after = last_use_index(program, block, set(program.fetches.values()))
     free_at: dict[int, list[str]] = {}
@@ -137,20 +170,20 @@ def estimate_memory(program: Program) -> MemoryEstimate:
         free_at.setdefault(i, []).append(name)
     views = view_vars(block)
     live = 0
-    peak, peak_op, peak_temp = base, "", 0
+    peak, peak_op, peak_temp, peak_index = base, "", 0, -1
     timeline = []
     for i, op in enumerate(block.ops):
         for name in op.defined:
             var = program.find_var(name, block.idx)
             if var is not None and var.kind is VarKind.TEMP and name not in views:
-                live += var.nbytes()
+                live += var.nbytes(sizes)
         if base + live > peak:
-            peak, peak_op = base + live, op.name
+            peak, peak_op, peak_index = base + live, op.name, i
         peak_temp = max(peak_temp, live)
         timeline.append((op.name, base + live))
-        live -= sum(program.var(n, block.idx).nbytes() for n in free_at.get(i, ()) if n not in views)
-    return MemoryEstimate(peak, peak_op, by_kind, feeds, peak_temp, timeline)
-
+        live -= sum(program.var(n, block.idx).nbytes(sizes) for n in free_at.get(i, ()) if n not in views)
+    formula = _peak_formula(program, block, peak_index, free_at, views) if dynamic else ""
+    return MemoryEstimate(peak, peak_op, by_kind, feeds, peak_temp, timeline, formula, sizes)
 
 
 def view_vars(block: Block) -> set[str]:

@@ -9,6 +9,7 @@ from typing import Any, Iterator
 import torch
 
 from fleetc.ir.html import HtmlViewable
+from fleetc.ir.symbolic import sym_value
 
 
 class OpRole(enum.IntFlag):
@@ -81,13 +82,16 @@ class Var:
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
 
-    def nbytes(self) -> int:
-        """Bytes of the value, or 0 when the shape is unknown or symbolic."""
-        if self.shape is None or not all(isinstance(d, int) for d in self.shape):
+    def nbytes(self, sizes: dict[str, int] | None = None) -> int:
+        """Bytes of the value; a symbolic shape is evaluated at `sizes` (dim name → size, e.g. the Program's
+        traced sizes, `fleetc.ir.symbolic.hints`). 0 when the shape is unknown or a symbol has no size."""
+        if self.shape is None:
             return 0
         numel = 1
         for d in self.shape:
-            numel *= d
+            if not isinstance(d, int) and (not sizes or any(s.name not in sizes for s in d.free_symbols)):
+                return 0
+            numel *= sym_value(d, sizes or {})
         return numel * torch.empty((), dtype=self.torch_dtype).element_size()
 
 

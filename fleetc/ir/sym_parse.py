@@ -20,7 +20,9 @@ _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
            ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
 _UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos}
 _FUNCTIONS = {"Max": sympy.Max, "Min": sympy.Min, "floor": sympy.floor, "ceiling": sympy.ceiling, "Mod": sympy.Mod,
-              "Abs": sympy.Abs, "sqrt": sympy.sqrt}
+              "Abs": sympy.Abs, "sqrt": sympy.sqrt, "Eq": sympy.Eq, "Ne": sympy.Ne}
+# Comparisons, for the shape guards of a dynamic Program (`batch <= 64`).
+_COMPARE = {ast.Lt: sympy.Lt, ast.LtE: sympy.Le, ast.Gt: sympy.Gt, ast.GtE: sympy.Ge}
 _ASSUMPTIONS = frozenset(_assume_defined)
 
 
@@ -38,10 +40,13 @@ def _build(node: ast.AST, symbols: dict[str, sympy.Symbol], depth: int) -> sympy
         return _BINARY[type(node.op)](left, right)
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_build(node.operand, symbols, depth + 1))
+    if isinstance(node, ast.Compare) and len(node.ops) == 1 and type(node.ops[0]) in _COMPARE:
+        left, right = _build(node.left, symbols, depth + 1), _build(node.comparators[0], symbols, depth + 1)
+        return _COMPARE[type(node.ops[0])](left, right)
     if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _FUNCTIONS
             and not node.keywords):
         return _FUNCTIONS[node.func.id](*(_build(a, symbols, depth + 1) for a in node.args))
-    raise ValueError(f"{ast.dump(node)[:80]} is not allowed (numbers, symbol names, arithmetic and "
+    raise ValueError(f"{ast.dump(node)[:80]} is not allowed (numbers, symbol names, arithmetic, comparisons and "
                      f"{', '.join(_FUNCTIONS)} only)")
 
 

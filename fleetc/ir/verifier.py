@@ -26,11 +26,13 @@ from fleetc.ir.program import (
     OpRole,
     Program,
     Ref,
+    Var,
     VarKind,
     map_refs,
 )
 from fleetc.ir.registry import resolve_callable
 from fleetc.ir.usedef import UseDef, check_consistent
+from fleetc.ir.symbolic import hints, sym_value
 
 CONTEXT_OPS = 2
 
@@ -54,6 +56,11 @@ class _ShapeChecker:
         self.program = program
         self.mode = FakeTensorMode(allow_non_fake_inputs=False)
         self.fakes: dict[str, Any] = {}
+        # A dynamic Program is checked at the sizes it was traced with (its symbols' hints).
+        self.hints = hints(program)
+
+    def shape(self, var: Var) -> tuple[int, ...]:
+        return tuple(sym_value(d, self.hints) for d in var.shape or ())
 
     def fake(self, name: str, block_idx: int) -> Any:
         if name not in self.fakes:
@@ -61,8 +68,17 @@ class _ShapeChecker:
             if var.shape is None:
                 return {"bool": True, "int64": 1, "float64": 1.0}.get(var.dtype, 1)
             with self.mode:
-                self.fakes[name] = torch.empty(var.shape, dtype=var.torch_dtype, device=var.device)
+                self.fakes[name] = torch.empty(self.shape(var), dtype=var.torch_dtype, device=var.device)
         return self.fakes[name]
+
+    def scalar(self, op: Op, block_idx: int) -> None:
+        """Compute a host-scalar op on the values known (sizes at the traced sizes), for the ops that read it."""
+        def to_value(ref: Ref) -> Any:
+            return self.fake(ref.name, block_idx)
+
+        result = resolve_callable(op.type)(*map_refs(op.args, to_value), **map_refs(op.kwargs, to_value))
+        if op.outputs and op.outputs[0] is not None and isinstance(result, (int, float, bool)):
+            self.fakes[op.outputs[0]] = result
 
     def check(self, op: Op, block_idx: int) -> str | None:
         fn = resolve_callable(op.type)
@@ -77,11 +93,13 @@ class _ShapeChecker:
         if len(results) != len(op.outputs):
             return f"computes {len(results)} result(s) but declares {len(op.outputs)} output(s)"
         for name, value in zip(op.outputs, results):
+            if name is not None and isinstance(value, (int, float, bool)):
+                self.fakes[name] = value  # a size (`aten.sym_size`) later ops compute shapes from
             if name is None or not isinstance(value, torch.Tensor):
                 continue
             var = self.program.var(name, block_idx)
             got = (tuple(value.shape), str(value.dtype).removeprefix("torch."))
-            if got != (tuple(var.shape or ()), var.dtype):
+            if got != (self.shape(var), var.dtype):
                 return f"output {name!r} is declared {var.dtype}{list(var.shape or ())} but computes {got[1]}{list(got[0])}"
             self.fakes[name] = value
         return None
@@ -166,6 +184,8 @@ def _verify_block(program: Program, block: Block, defined: set[str], definer: di
                 raise _fail(program, block, i, f"sub_block {sub.idx} has parent {sub.parent_idx}, not {block.idx}",
                             after_pass)
             _verify_block(program, sub, set(defined), definer, checker, after_pass, visiting)
+        elif checker is not None and op.type.startswith("fleetc.scalar_"):
+            checker.scalar(op, block.idx)  # a dynamic Program's size arithmetic: later shapes depend on it
         elif checker is not None and op.type.startswith("aten."):
             problem = checker.check(op, block.idx)
             if problem:

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 from fleetc.errors import GuardError
 from fleetc.runtime.guards import GuardCheck, GuardRecord
+from fleetc.runtime.guards.shapes import ShapeGuards
 
 RECOMPILE_POLICIES = ("recompile", "error")
 DEFAULT_CACHE_LIMIT = 8
@@ -18,6 +19,7 @@ DEFAULT_CACHE_LIMIT = 8
 
 class CachedStep(Protocol):
     guards: GuardCheck
+    shapes: ShapeGuards | None  # a dynamic Program's shape guards, checked on the call's input shapes
 
 
 Key = tuple[tuple[str, Any], ...]  # (what, value) parts, e.g. ("inputs", input_key(...))
@@ -46,40 +48,46 @@ class StepCache:
             raise ValueError(f"on_guard_failure must be one of {RECOMPILE_POLICIES}, not {on_guard_failure!r}")
         self.limit = limit
         self.on_guard_failure = on_guard_failure
+        self.compiles = 0  # Programs compiled so far, all step kinds (evicted ones included)
         self._entries: dict[str, OrderedDict[int, tuple[Key, CachedStep]]] = {"train": OrderedDict(),
                                                                                "eval": OrderedDict()}
         self._next_id = 0
         self.log: list[str] = []
 
-    def lookup(self, kind: str, key: Key) -> tuple[CachedStep | None, str | None]:
-        """(the cached step whose key matches and whose guards pass, None) or (None, why a compile is needed)."""
+    def lookup(self, kind: str, key: Key, shapes: list[tuple] = ()) -> tuple[CachedStep | None, str | None]:
+        """(the cached step whose key matches and whose guards pass, None) or (None, why a compile is needed).
+        `shapes` (the tensor inputs' sizes) are checked against a dynamic Program's shape guards."""
         entries = self._entries[kind]
         failure = None
         for entry_id, (entry_key, step) in reversed(entries.items()):
             if entry_key != key:
                 continue
-            if step.guards.passes():
+            fits = step.shapes is None or step.shapes.passes(shapes)
+            if fits and step.guards.passes():
                 entries.move_to_end(entry_id)
                 return step, None
-            failure = failure or step.guards.failure()
+            failure = failure or (step.guards.failure() if fits else
+                                  f"shape guard failed: {step.shapes.failure(shapes)}")
         if failure is None and entries:
             latest_key = next(reversed(entries.values()))[0]
             failure = next((f"{what} changed" for (what, value), (_, old) in zip(key, latest_key) if value != old),
                            None)
         return None, failure
 
-    def add(self, kind: str, key: Key, step: CachedStep, reason: str | None, step_number: int) -> None:
-        """Keep a freshly compiled step; log (or, under the "error" policy, refuse) it when it is a recompile."""
+    def add(self, kind: str, key: Key, step: CachedStep, reason: str | None, step_number: int, note: str = "") -> None:
+        """Keep a freshly compiled step; log (or, under the "error" policy, refuse) it when it is a recompile
+        (`note` is appended to the reason, e.g. the dims the new Program is symbolic in)."""
         entries = self._entries[kind]
         if entries:
             if reason is not None and reason.startswith("inputs changed"):
                 previous = next(reversed(entries.values()))[1]
                 reason = _input_change(previous.guards.record, step.guards.record) or reason
-            line = f"step {step_number}: recompiled the {kind} step: {reason}"
+            line = f"step {step_number}: recompiled the {kind} step: {reason}{note}"
             if self.on_guard_failure == "error":
                 raise GuardError(f"{line.partition(': ')[2]} (fleetc.compile(..., on_guard_failure='error') "
                                  "forbids recompiling; undo the change or compile with on_guard_failure='recompile')")
             self.log.append(line)
+        self.compiles += 1
         entries[self._next_id] = (key, step)
         self._next_id += 1
         while len(entries) > self.limit:

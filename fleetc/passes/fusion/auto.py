@@ -176,6 +176,11 @@ class AutoFusion:
             if not groups:
                 continue
             fused_index = self._rewrite(program, usedef, groups, fused_index, names, report)
+        if not report.stats and "dynamic" in program.metadata:
+            report.skipped_reason = ("the Program has symbolic shapes (dynamic dims), and fused_elementwise kernels "
+                                     "are generated for constant sizes: ops on tensors of symbolic shape are not "
+                                     "fused (compile with dynamic=False to fuse them)")
+            return program, report
         if not report.stats:
             report.skipped_reason = ("no chain of pointwise ops to fuse: no pointwise op reads another's result "
                                      "within one role and device (see FusionChoices)")

@@ -24,6 +24,7 @@ from fleetc.ir.liveness import aliased_input
 from fleetc.ir.program import Op, OpRole, Program, Ref, Var, VarKind, map_refs
 from fleetc.ir.registry import resolve_callable
 from fleetc.ir.usedef import Names
+from fleetc.ir.symbolic import concrete_shape, hints, traced_sizes
 from fleetc.passes.base import PassReport
 from fleetc.passes.precision.amp_lists import AmpLists
 from fleetc.passes.precision.loss_scaling import insert_loss_scaling
@@ -66,6 +67,7 @@ class _CastRewriter:
             for name in op.inputs:
                 self.readers.setdefault(name, []).append(op)
         self.mode = FakeTensorMode(allow_non_fake_inputs=False)
+        self.sizes, self.traced_sizes = hints(program), traced_sizes(program)  # a dynamic Program: at traced sizes
 
     def castable(self, name: str) -> bool:
         var = self.program.var(name)
@@ -103,10 +105,10 @@ class _CastRewriter:
     # ----- dtype inference --------------------------------------------------------------------
     def fake(self, name: str, dtype: str) -> Any:
         var = self.program.var(name)
-        if var.shape is None:
-            return _SCALAR_STANDINS.get(var.dtype, 1)
+        if var.shape is None:  # a dynamic Program's sizes count at their traced values
+            return self.traced_sizes.get(name, _SCALAR_STANDINS.get(var.dtype, 1))
         with self.mode:
-            return torch.empty(var.shape, dtype=getattr(torch, dtype), device=var.device)
+            return torch.empty(concrete_shape(var.shape, self.sizes), dtype=getattr(torch, dtype), device=var.device)
 
     def infer(self, op: Op, dtypes: dict[str, str], args: tuple, kwargs: dict) -> list | None:
         """Output values of `op` with its inputs in `dtypes` (fake tensors), or None if it rejects them."""

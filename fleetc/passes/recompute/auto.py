@@ -15,6 +15,7 @@ import networkx as nx
 
 from fleetc.errors import PassStrategyError
 from fleetc.ir.liveness import aliased_input
+from fleetc.ir.symbolic import hints
 from fleetc.passes.recompute.checkpoints import checkpoint_plan, module_outputs
 from fleetc.passes.recompute.plan import ForwardRegion, RecomputePlan, recompute_cost
 from fleetc.passes.recompute.policy import Choice, RecomputePolicy
@@ -28,7 +29,7 @@ def _save_cost(region: ForwardRegion, name: str) -> int:
     op = region.producer[name]
     base = aliased_input(op, op.outputs.index(name))
     if base is None:
-        return region.program.var(name).nbytes()
+        return region.program.var(name).nbytes(hints(region.program))  # a dynamic Program: at its traced sizes
     return _UNCUTTABLE if base in region.producer else 0
 
 

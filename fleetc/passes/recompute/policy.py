@@ -13,6 +13,7 @@ import torch
 from fleetc.ir.liveness import aliased_input
 from fleetc.ir.program import Block, Op, Program, VarKind
 from fleetc.ir.registry import resolve_callable
+from fleetc.ir.symbolic import hints, sym_value
 
 DROPOUT = "aten.native_dropout.default"
 
@@ -33,10 +34,14 @@ class Choice(enum.Enum):
 
 
 def _numel(program: Program, name: str) -> int:
+    """Elements of a Var; a dynamic Program's symbolic dims count at their traced sizes (the cost model's sizes)."""
     var = program.find_var(name)
-    if var is None or var.shape is None or not all(isinstance(d, int) for d in var.shape):
+    if var is None or var.shape is None:
         return 0
-    return math.prod(var.shape)
+    sizes = hints(program)
+    if any(not isinstance(d, int) and any(s.name not in sizes for s in d.free_symbols) for d in var.shape):
+        return 0
+    return math.prod(sym_value(d, sizes) for d in var.shape)
 
 
 class RecomputePolicy:

@@ -8,19 +8,24 @@ from torch import nn
 from torch.utils._pytree import TreeSpec, keystr, tree_flatten_with_path
 
 from fleetc.capture.attribute_reads import is_plain
+from fleetc.capture.dynamic import DynamicDims
 from fleetc.capture.hooks import registered_hooks
 from fleetc.capture import param_names
 from fleetc.ir.program import Program
 from fleetc.runtime.guards.record import Guard, GuardRecord
 
 
-def input_key(leaves: list, spec: TreeSpec) -> tuple:
+def input_key(leaves: list, spec: TreeSpec, dynamic: DynamicDims | None = None) -> tuple:
     """The cache key of a step's arguments: their structure, each tensor's shape, dtype, device and requires_grad,
-    and each other value (baked into the Program as a constant) by type and repr."""
+    and each other value (baked into the Program as a constant) by type and repr. A `dynamic` dim's size is
+    replaced by its name: the Program's shape guards decide whether a size fits."""
     parts: list[tuple] = [(str(spec),)]
+    position = 0
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
-            parts.append((tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad))
+            shape = dynamic.masked(position, tuple(leaf.shape)) if dynamic else tuple(leaf.shape)
+            position += 1
+            parts.append((shape, leaf.dtype, leaf.device, leaf.requires_grad))
         else:
             parts.append((type(leaf).__name__, repr(leaf)))
     return tuple(parts)

@@ -1,0 +1,234 @@
+"""Dynamic shapes: one Program serves many batch sizes and sequence lengths, with shape guards (docs/dynamic_shapes.md)."""
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import sympy
+import torch
+import torch.nn.functional as F
+from helpers.gradient_merge import merge_strategy
+from zoo import MLP, TinyGPT, _lm_loss
+
+import fleetc
+from fleetc.errors import GuardError, StrategyError
+from fleetc.ir.liveness import estimate_memory
+from fleetc.ir.parser import parse_program
+from fleetc.ir.serialize import program_from_json, program_to_json
+from fleetc.ir.verifier import verify
+from fleetc.passes.order import fusion_flags
+
+MAX_SEQ = 16  # TinyGPT's position table
+FUSION_FLAGS = tuple(fusion_flags())
+
+
+def _gpt(**kwargs) -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(dropout=0.0, **kwargs)
+
+
+def _batch(batch: int, seq: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, 64, (batch, seq + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _eager_step(model, optimizer, x, y) -> torch.Tensor:
+    optimizer.zero_grad()
+    loss = _lm_loss(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+def _assert_same_params(model, reference) -> None:
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_one_program_serves_batch_1_to_64_and_seq_1_to_max_and_matches_eager():
+    model = _gpt()
+    reference = copy.deepcopy(model)
+    trainer = fleetc.compile(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05), loss_fn=_lm_loss,
+                             dynamic=True, verify=True)
+    eager_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
+    rng = random.Random(0)
+    g = torch.Generator().manual_seed(0)
+    # The extremes and random sizes between; seq >= 2 first: that part is served by the first Program alone.
+    shapes = [(4, 8), (64, MAX_SEQ), (1, MAX_SEQ), (1, 2), (64, 2)]
+    shapes += [(rng.randint(1, 64), rng.randint(2, MAX_SEQ)) for _ in range(6)]
+    for batch, seq in shapes:
+        x, y = _batch(batch, seq, g)
+        torch.testing.assert_close(trainer.step(x, y), _eager_step(reference, eager_opt, x, y), rtol=1e-5, atol=1e-6)
+    assert trainer.report().compiles == 1, trainer.report().recompiles
+    program = trainer.program
+    assert [str(d) for d in program.var("idx").shape] == ["batch", "seq"]
+    # Sequence length 1: the model's attention branches on it (a guard `Ne(seq, 1)`): one specialisation.
+    for batch, seq in [(5, 1), (64, 1), (rng.randint(2, 63), 1)]:
+        x, y = _batch(batch, seq, g)
+        torch.testing.assert_close(trainer.step(x, y), _eager_step(reference, eager_opt, x, y), rtol=1e-5, atol=1e-6)
+    report = trainer.report()
+    assert report.compiles == 2, report.recompiles
+    assert "shape guard failed" in report.recompiles[0] and "seq=1" in report.recompiles[0]
+    x, y = _batch(9, 13, g)  # back to the first Program
+    torch.testing.assert_close(trainer.step(x, y), _eager_step(reference, eager_opt, x, y), rtol=1e-5, atol=1e-6)
+    assert trainer.program is program and trainer.report().compiles == 2
+    _assert_same_params(model, reference)
+
+
+def test_the_ir_of_a_dynamic_program_prints_parses_serialises_and_estimates_memory_as_a_formula():
+    model = _gpt(layers=1)
+    trainer = fleetc.compile(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05), loss_fn=_lm_loss,
+                             dynamic=True)
+    g = torch.Generator().manual_seed(0)
+    trainer.step(*_batch(4, 8, g))
+    program = trainer.program
+    assert "idx: i64[batch,seq]" in str(program)
+    for copy_ in (parse_program(str(program)), program_from_json(program_to_json(program))):
+        assert copy_.var("idx").shape == program.var("idx").shape
+        assert copy_.metadata["dynamic"] == program.metadata["dynamic"]
+        verify(copy_)
+    small = estimate_memory(program)  # at the traced sizes
+    assert small.sizes == {"batch": 4, "seq": 8, "batch_2": 4, "seq_2": 8}
+    assert {"batch", "seq"} <= {s.name for s in sympy.sympify(small.formula).free_symbols}
+    assert _evaluate(small.formula, small.sizes) == small.peak_bytes
+    trainer.step(*_batch(32, 16, g))
+    stats = trainer.memory_stats()  # for the last step's sizes
+    assert stats["estimated_for_sizes"] == {"batch": 32, "seq": 16, "batch_2": 32, "seq_2": 16}
+    assert _evaluate(stats["estimated_peak_formula"], stats["estimated_for_sizes"]) == stats["estimated_peak_bytes"]
+    assert stats["estimated_peak_bytes"] > small.peak_bytes
+    assert trainer.report().compiles == 1
+    for batch, seq in [(3, 5), (6, 12)]:  # the eval step: one dynamic Program too
+        x, _ = _batch(batch, seq, g)
+        with torch.no_grad():
+            expected = model.eval()(x)
+        model.train()
+        torch.testing.assert_close(trainer(x), expected, rtol=1e-5, atol=1e-6)
+    assert [str(d) for d in trainer.eval_program.var("idx").shape] == ["batch", "seq"]
+    assert trainer.report().compiles == 2
+
+
+def _evaluate(formula: str, sizes: dict[str, int]) -> int:
+    expr = sympy.sympify(formula)
+    return int(expr.subs({s: sizes[s.name] for s in expr.free_symbols}))
+
+
+def test_default_policy_compiles_static_first_then_symbolic_in_the_dims_that_changed():
+    model = _gpt(layers=1)
+    trainer = fleetc.compile(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05), loss_fn=_lm_loss)
+    g = torch.Generator().manual_seed(0)
+    trainer.step(*_batch(4, 8, g))
+    assert trainer.program.var("idx").shape == (4, 8) and "dynamic" not in trainer.program.metadata
+    trainer.step(*_batch(4, 12, g))  # seq changed: symbolic in seq only
+    assert [str(d) for d in trainer.program.var("idx").shape] == ["4", "seq"]
+    trainer.step(*_batch(4, 5, g))
+    assert trainer.report().compiles == 2
+    trainer.step(*_batch(6, 5, g))  # now the batch changes too
+    trainer.step(*_batch(3, 9, g))
+    report = trainer.report()
+    assert report.compiles == 3, report.recompiles
+    assert "traced symbolic in seq (idx dim 1)" in report.recompiles[0]
+    assert "batch (idx dim 0)" in report.recompiles[1]
+
+
+def test_dynamic_false_recompiles_per_shape_and_dynamic_dims_names_dims():
+    model = MLP()
+    trainer = fleetc.compile(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=F.cross_entropy,
+                             dynamic=False)
+    for rows in (8, 6):
+        trainer.step(torch.randn(rows, 32), torch.randint(0, 10, (rows,)))
+    assert trainer.report().compiles == 2 and trainer.program.var("x").shape == (6, 32)
+    model = MLP()
+    trainer = fleetc.compile(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=F.cross_entropy,
+                             dynamic=False, dynamic_dims={"x": {0: "rows"}, "target": {0: "rows"}})
+    for rows in (8, 6, 17):
+        trainer.step(torch.randn(rows, 32), torch.randint(0, 10, (rows,)))
+    assert trainer.report().compiles == 1 and str(trainer.program.var("x").shape) == "(rows, 32)"
+    assert any(line.startswith("shape: rows = x.size(0)") for line in trainer.report().guards)
+
+
+def test_bad_dynamic_arguments_are_clear_errors():
+    model = MLP()
+    with pytest.raises(StrategyError, match="dynamic must be None, True or False"):
+        fleetc.compile(model, dynamic="yes")
+    with pytest.raises(StrategyError, match=r"dynamic_dims\['x'\] must map a dim index to a name"):
+        fleetc.compile(model, dynamic_dims={"x": [0]})
+    trainer = fleetc.compile(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=F.cross_entropy,
+                             dynamic_dims={"inputs": {0: "batch"}})
+    with pytest.raises(StrategyError, match="'inputs', which is not a tensor input of the step; its tensor "
+                                            "inputs: x, target"):
+        trainer.step(torch.randn(4, 32), torch.randint(0, 10, (4,)))
+
+
+def test_a_shape_guard_violation_raises_naming_the_dim_and_guard_under_on_guard_failure_error():
+    model = _gpt(layers=1)
+    trainer = fleetc.compile(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05), loss_fn=_lm_loss,
+                             dynamic=True, on_guard_failure="error")
+    g = torch.Generator().manual_seed(0)
+    trainer.step(*_batch(4, 8, g))
+    trainer.step(*_batch(7, 3, g))
+    with pytest.raises(GuardError, match=r"shape guard failed: the guard Ne\(seq, 1\) fails for seq=1"):
+        trainer.step(*_batch(4, 1, g))
+    assert trainer.report().compiles == 1
+    shapes = trainer._last_train.shapes  # what a call of another rank or an unequal target would hear
+    assert shapes.failure([(2, 3, 4), (2, 3)]) == "idx has 3 dims, the Program was compiled for 2"
+    assert shapes.failure([(2, 3), (2, 5)]) == ("the guard Eq(batch*seq, batch_2*seq_2) fails for batch=2, "
+                                                "batch_2=2, seq=3, seq_2=5")
+    assert not shapes.passes([(2, 3), (2, 5)]) and shapes.passes([(2, 3), (3, 2)])
+
+
+def test_gradient_merge_with_a_ragged_last_micro_batch_matches_eager():
+    k_steps, sizes = 2, [(4, 8), (4, 8), (4, 6), (3, 6)]  # the last micro-batch is smaller
+    model = _gpt(layers=1)
+    reference = copy.deepcopy(model)
+    trainer = fleetc.compile(model, merge_strategy(k_steps), optimizer=torch.optim.Adam(model.parameters(), lr=1e-2),
+                             loss_fn=_lm_loss, dynamic=True, verify=True)
+    optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    for i, (batch, seq) in enumerate(sizes):
+        x, y = _batch(batch, seq, g)
+        loss = _lm_loss(reference(x), y)
+        (loss / k_steps).backward()
+        if (i + 1) % k_steps == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+        torch.testing.assert_close(trainer.step(x, y), loss.detach(), rtol=1e-5, atol=1e-6)
+    assert "gradient_merge" in trainer.report().applied and trainer.report().compiles == 1
+    _assert_same_params(model, reference)
+
+
+def _strategy(kind: str) -> fleetc.DistributedStrategy:
+    strategy = fleetc.DistributedStrategy()
+    if kind == "fusion":
+        for flag in FUSION_FLAGS:
+            setattr(strategy.build_strategy, flag, True)
+    elif kind == "auto_fusion":
+        strategy.build_strategy.enable_auto_fusion = True
+    elif kind == "recompute":
+        strategy.recompute = True
+        strategy.recompute_configs = {"checkpoints": "auto"}
+    elif kind == "amp":
+        strategy.amp = True
+    return strategy
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["fusion", "auto_fusion", "recompute", "amp"])
+def test_passes_on_a_dynamic_program_match_the_static_programs(kind):
+    """Each pass on the symbolic Program gives what it gives on a Program specialised to each size."""
+    shapes = [(4, 8), (9, 5), (2, 12)]
+    dynamic, static = _gpt(layers=1), _gpt(layers=1)
+    trainers = [fleetc.compile(model, _strategy(kind), optimizer=torch.optim.Adam(model.parameters(), lr=1e-2),
+                               loss_fn=_lm_loss, dynamic=flag, verify=True)
+                for model, flag in ((dynamic, True), (static, False))]
+    g = torch.Generator().manual_seed(0)
+    for batch, seq in shapes:
+        x, y = _batch(batch, seq, g)
+        torch.testing.assert_close(trainers[0].step(x, y), trainers[1].step(x, y), rtol=1e-5, atol=1e-6)
+    assert trainers[0].report().compiles == 1 and trainers[1].report().compiles == len(shapes)
+    if kind == "auto_fusion":  # its kernels take constant sizes: it specialises, and says so
+        assert "symbolic shapes" in trainers[0].report().skipped["auto_fusion"]
+        assert "auto_fusion" in trainers[1].report().applied
+    else:
+        assert trainers[0].report().applied == trainers[1].report().applied
+    _assert_same_params(dynamic, static)
