@@ -160,7 +160,7 @@ def _train_pair(model: nn.Module, batches: Sequence[Batch], loss_fn: Callable | 
         eager_losses.append(loss.detach())
         torch.manual_seed(100 + i)
         compiled_losses.append(trainer.step(*batch[0], **batch[1]).detach())
-        if i == 0 and make_optimizer is _sgd and micro_batches == 1:
+        if i == 0 and make_optimizer is _sgd and micro_batches == 1 and preset != "amp_bf16":
             _check_close("first-step gradients", _momentum(compiled, compiled_opt), _momentum(eager, eager_opt),
                          GRAD_TOLERANCE)
     return eager, compiled, eager_losses, compiled_losses
