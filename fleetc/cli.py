@@ -21,6 +21,7 @@ from fleetc.codegen.cpu import format_kernels as format_cpu_kernels
 from fleetc.codegen.triton import format_kernels
 from fleetc.errors import CommandError, ExportError, FleetcError
 from fleetc.fleet import export_sources, inference
+from fleetc.fleet.explain import add_explain_command
 from fleetc.fleet.launch import add_run_command
 from fleetc.ir.liveness import MemoryEstimate
 from fleetc.ir.serialize import program_to_json, to_dict
@@ -347,6 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     exporter.add_argument("--static-batch", action="store_true", help="export the batch dimension static")
     exporter.add_argument("--verify", action="store_true", help="run the IR verifier after every compiler pass")
     add_run_command(commands)
+    add_explain_command(commands, lambda spec: _step_spec(_call_factory(_import_factory(spec), spec), spec))
     return parser
 
 

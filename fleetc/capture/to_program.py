@@ -20,6 +20,7 @@ from fleetc.capture.dynamic import SymbolTable
 from fleetc.capture.step_module import MODEL_ATTR
 from fleetc.capture.trace import user_frame_from_stack_trace
 from fleetc.errors import CaptureError
+from fleetc.ir.constants import add_constant
 from fleetc.ir.program import Op, OpRole, Program, Ref, Var, VarKind
 from fleetc.ir.usedef import Names
 from fleetc.ops.scalar import SCALAR_OPS
@@ -27,6 +28,16 @@ from fleetc.ops.scalar import SCALAR_OPS
 LOSS_VAR = "loss"
 OUTPUT_VAR = "output"
 INPUT_GRAD_FETCH = "input_grad:"  # fetch key prefix of a step input's gradient (an input with requires_grad)
+
+
+# Ops that return nothing and only check, at run time, what the trace already fixed: a tensor's dtype/device/shape
+# after `.to(...)` (`_assert_tensor_metadata`) or a symbolic-shape condition. The Program is specialised to the
+# traced shapes and dtypes and its guards recheck them each step (docs/guards.md), so capture drops these checks
+# (counted in `metadata["dropped_checks"]`). Any other op without a result raises CaptureError.
+CHECK_OPS = frozenset({
+    "aten._assert_tensor_metadata.default", "aten._assert_scalar.default", "aten._assert_async.default",
+    "aten._assert_async.msg", "aten.sym_constrain_range.default", "aten.sym_constrain_range_for_size.default",
+})
 
 
 def grad_name(param: str) -> str:
@@ -172,6 +183,9 @@ class _Converter:
         else:
             raise CaptureError(f"graph node {node.name} calls {node.target!r}, which is not an aten operator")
         value = node.meta.get("val")
+        if value is None and not node.users:
+            self.drop_check(node)
+            return
         name = self.node_name(node)
         op = Op(name, op_type, tuple(self.arg(a) for a in node.args),
                 {k: self.arg(v) for k, v in node.kwargs.items()}, attrs=self.attrs(node))
@@ -185,6 +199,34 @@ class _Converter:
         if OpRole.FORWARD in op.role and node.meta.get("seq_nr") is not None:
             self.seq_to_forward.setdefault(node.meta["seq_nr"], []).append(op)
         self.block.ops.append(op)
+
+    def constant(self, node: torch.fx.Node) -> None:
+        """A lifted tensor constant (`torch.tensor(...)` or a table made in forward): a CONSTANT Var."""
+        value = getattr(self.gm, node.target)
+        if not isinstance(value, torch.Tensor):
+            raise CaptureError(f"the traced graph reads {type(value).__name__} attribute {node.target!r}, "
+                               "which is not a tensor constant")
+        name = self.program.unique_name(f"const.{node.name.lstrip('_')}")
+        try:
+            add_constant(self.program, name, value)
+        except TypeError as exc:
+            users = [u for u in node.users if u.meta.get("stack_trace")]
+            source = user_frame_from_stack_trace(users[0].meta["stack_trace"]) if users else ""
+            raise CaptureError(f"cannot capture a tensor constant made in forward at "
+                               f"{source or 'an unknown location'}: {exc}\n"
+                               "  hint: make it a registered buffer (module.register_buffer) instead") from None
+        self.env[node] = Ref(name)
+
+    def drop_check(self, node: torch.fx.Node) -> None:
+        """Drop a result-less check op (CHECK_OPS); refuse any other op without a result."""
+        target = str(node.target)
+        if target not in CHECK_OPS:
+            source = user_frame_from_stack_trace(node.meta.get("stack_trace")) or "an unknown location"
+            raise CaptureError(f"cannot capture the op {target} at {source}: it returns nothing, so it only has a "
+                               f"side effect, which a Program cannot keep\n  hint: remove the call from the "
+                               f"training step, or run it outside forward")
+        dropped = self.program.metadata.setdefault("dropped_checks", {})
+        dropped[target] = dropped.get(target, 0) + 1
 
     def flush_renames(self) -> None:
         """Apply the renames `bind_result` queued."""
@@ -294,6 +336,8 @@ class _Converter:
                 self.call(node)
             elif node.op == "output":
                 self.output(node)
+            elif node.op == "get_attr":
+                self.constant(node)
             else:
                 raise CaptureError(f"unexpected FX node kind {node.op!r} ({node.name})")
         return self.program

@@ -45,6 +45,7 @@ class VarKind(str, enum.Enum):
     ACCUMULATOR = "accumulator"  # values summed across steps, e.g. a merged gradient `w@GRAD@MERGE`
     DATA = "data"
     HYPER = "hyper"  # host scalars fed every step, e.g. a param group's learning rate
+    CONSTANT = "constant"  # a tensor the forward made from Python data; value in metadata (fleetc/ir/constants.py)
     TEMP = "temp"
 
 

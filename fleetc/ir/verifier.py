@@ -1,12 +1,13 @@
 """Checks a Program's invariants; an error names the op, shows ops around it and the pass that broke it.
 
-Invariants: every read Var is defined before use (persistables and feeds are always defined; a
+Invariants: every read Var is defined before use (persistables, feeds and constants are always defined; a
 sub-block sees its parent's Vars defined before the owning op); one definer per temporary; op types
 resolve; aten ops write only temporaries, or a persistable their schema updates in place (a traced
 optimizer update's `exp_avg.lerp_(...)`), and their outputs' shapes and dtypes match what the op
 computes (checked on fake tensors); sub-block references are valid, each sub-block has exactly one
 owner, a conditional_block with one bool condition; within a block no optimize op comes before the
-last backward op that feeds it. `verify_usedef` checks a block's use-def index (fleetc.ir.usedef) against its ops.
+last backward op that feeds it; every constant has a value of its declared shape. `verify_usedef` checks a
+block's use-def index (fleetc.ir.usedef) against its ops.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fleetc.errors import VerificationError
+from fleetc.ir.constants import constant_problem
 from fleetc.ir.liveness import block_reads, mutated_inputs
 from fleetc.ir.printer import format_op
 from fleetc.ir.program import (
@@ -107,7 +109,11 @@ class _ShapeChecker:
 
 def verify(program: Program, *, after_pass: str | None = None, check_shapes: bool = True) -> None:
     """Raise VerificationError at the first broken invariant."""
-    always_defined = {v.name for v in program.all_vars() if v.persistable or v.kind in FED_KINDS}
+    always_defined = {v.name for v in program.all_vars()
+                      if v.persistable or v.kind in FED_KINDS or v.kind is VarKind.CONSTANT}
+    problem = constant_problem(program)
+    if problem:
+        raise VerificationError(problem + (f" after pass {after_pass!r}" if after_pass else ""))
     for name in program.feeds:
         var = program.find_var(name)
         if var is None or var.kind not in FED_KINDS:
@@ -162,8 +168,8 @@ def _verify_block(program: Program, block: Block, defined: set[str], definer: di
                     raise _fail(program, block, i, f"temporary {name!r} is already defined by op {definer[name]!r}",
                                 after_pass)
                 definer[name] = op.name
-            elif var.kind in FED_KINDS:
-                raise _fail(program, block, i, f"writes the fed Var {name!r}", after_pass)
+            elif var.kind in FED_KINDS or var.kind is VarKind.CONSTANT:
+                raise _fail(program, block, i, f"writes the {var.kind.value} Var {name!r}", after_pass)
             elif op.type.startswith("aten.") and name not in mutated_inputs(op):
                 raise _fail(program, block, i, f"aten op writes the persistable {name!r}, but its schema writes no "
                             "such argument; update it in place (`add_`, `out=`) or use fleetc.assign", after_pass)

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import torch
 
+from fleetc.ir.constants import constant_value
 from fleetc.ir.liveness import last_use_index
 from fleetc.ir.program import CONDITIONAL_BLOCK, Block, Op, Program, Ref, VarKind
 from fleetc.ir.registry import resolve_callable
@@ -150,6 +151,11 @@ class _Emitter:
         self.lines.append("def step(state, feeds, mem):")
         for var in program.persistables():
             self.lines.append(f"    {self.local(var.name)} = state[{var.name!r}]")
+        constants = {v.name: constant_value(program, v) for v in program.all_vars() if v.kind is VarKind.CONSTANT}
+        if constants:
+            self.globals["constants"] = constants
+        for name in constants:
+            self.lines.append(f"    {self.local(name)} = constants[{name!r}]")
         if program.feeds:
             self.lines.append(f"    {''.join(self.local(n) + ', ' for n in program.feeds)}= feeds")
         if self.measure:

@@ -5,6 +5,7 @@ from typing import Any
 
 import torch
 
+from fleetc.ir.constants import drop_unused_constants
 from fleetc.ir.liveness import block_reads
 from fleetc.ir.program import Block, Op, Program, VarKind
 from fleetc.ir.registry import resolve_callable
@@ -38,9 +39,9 @@ def eliminate_dead_ops(program: Program, block: Block, keep: set[str]) -> int:
 
 
 def drop_unused_temporaries(program: Program) -> int:
-    """Forget temporaries that no op defines or reads any more."""
+    """Forget temporaries and lifted constants that no op defines or reads any more."""
     used = {n for _, op in program.walk_ops() for n in (*op.inputs, *op.defined)} | set(program.fetches.values())
-    dropped = 0
+    dropped = drop_unused_constants(program, used)
     for block in program.blocks:
         for name in [n for n, v in block.vars.items() if v.kind is VarKind.TEMP and n not in used]:
             del block.vars[name]
