@@ -9,7 +9,7 @@ from torch import nn
 
 from fleetc.comm import env, groups, host
 from fleetc.comm.faults import collective_failed
-from fleetc.comm.mesh import resolve_mesh
+from fleetc.comm.mesh import ProcessMesh, resolve_mesh
 from fleetc.comm.plan import check_plans_agree, check_ranks_agree
 from fleetc.compiler import CompiledStep, CompiledTrainer
 from fleetc.errors import CheckpointError
@@ -50,6 +50,15 @@ def broadcast_state(model: nn.Module) -> None:
             raise collective_failed(f"broadcast of {name!r} from rank 0", exc, timeout.total_seconds()) from exc
 
 
+def sharding_metadata(mesh: ProcessMesh, rank: int) -> dict[str, Any]:
+    """What the sharding pass needs to know about this rank's place in the mesh (passes never see the environment)."""
+    groups_ = {"sharding": mesh.groups("sharding")}
+    if mesh.dp > 1:
+        groups_["sharding_dp"] = mesh.groups("dp")
+    return {"degree": mesh.sharding, "rank": mesh.coordinates(rank)["sharding"], "dp_degree": mesh.dp,
+            "groups": groups_}
+
+
 class DataParallelTrainer(CompiledTrainer):
     """Each rank trains on its own shard of the batch; gradients are averaged, so all ranks stay identical.
 
@@ -76,6 +85,8 @@ class DataParallelTrainer(CompiledTrainer):
 
     def _optimize(self, program: Program, capture_seconds: float) -> tuple[Program, History, CompileReport]:
         program.metadata["data_parallel"] = {"world_size": self.world_size}
+        if self.config.sharding and self.world_size > 1:
+            program.metadata["sharding"] = sharding_metadata(self.mesh, env.rank())
         return super()._optimize(program, capture_seconds)
 
     def _compile(self, kind: str, args: tuple, kwargs: dict) -> CompiledStep:

@@ -31,6 +31,7 @@ from fleetc.passes.gradient_merge import GradientMerge
 from fleetc.passes.optimizers import AdaptiveLocalSGD, GradClip, GradientClip, Lamb, Lars, LocalSGD
 from fleetc.passes.precision import AutoMixedPrecision
 from fleetc.passes.recompute import Recompute, RecomputePolicy
+from fleetc.passes.sharding import Sharding
 
 # The pass order, one line of why per pass. A pass with `enabled_by` runs when that strategy field is True; the
 # others are always in the order and decide for themselves (the data-parallel passes do nothing in one process).
@@ -57,9 +58,10 @@ PASS_ORDER: tuple[type, ...] = (
     AdaptiveLocalSGD,  # the same with k adapted from the loss
     InsertAllreduce,  # data parallel only: average every gradient across ranks
     FuseAllreduce,  # one flat buffer and one collective per bucket of gradients
+    Sharding,  # owners update their parameters; stage 2 turns the buckets into reduce-scatters (before views)
     AllreduceViews,  # gradient producers write into their bucket's buffer (no packing copy)
     OverlapAllreduce,  # wait for a bucket just before its first consumer (sync_nccl_allreduce=False)
-    # (sharding and the pipeline-parallel split go here)
+    # (the pipeline-parallel split goes here)
     FuseOptimizerOps,  # one multi-tensor update per group
     DeadCodeElimination,  # results nobody reads (e.g. saved stats of unused outputs)
 )
@@ -94,7 +96,6 @@ def all_pass_names() -> list[str]:
 _PENDING = (
     ("recompute_configs.enable_offload", "offloading checkpoints to host memory (recompute keeps them on the device)"),
     ("pipeline", "pipeline partitioning"),
-    ("sharding", "the sharding pass"),
     ("build_strategy.fuse_relu_depthwise_conv", "a relu+depthwise-conv fusion pass"),
     ("build_strategy.fuse_broadcast_ops", "a broadcast fusion pass (data parallel only)"),
     ("build_strategy.enable_inplace", "in-place memory reuse"),
