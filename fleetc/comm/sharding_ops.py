@@ -16,7 +16,12 @@ import torch
 import torch.distributed as dist
 
 from fleetc.comm import groups
-from fleetc.comm.collectives import blocking_collective, bucket_views, run_collective, wait_collective
+from fleetc.comm.collectives import (
+    blocking_collective,
+    bucket_views,
+    run_collective,
+    wait_collective,
+)
 from fleetc.ir.registry import register_op
 
 

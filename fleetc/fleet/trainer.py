@@ -18,6 +18,7 @@ from fleetc.passes.manager import History
 from fleetc.passes.optimizers import GradClip
 from fleetc.passes.recompute import RecomputePolicy
 from fleetc.report import CompileReport
+from fleetc.fleet.sharded_state import consolidated_optimizer, drop_foreign_state, owned_parameters
 from fleetc.runtime.checkpoint import TrainerState, load_checkpoint, rng_state, save_checkpoint
 from fleetc.runtime.step_cache import DEFAULT_CACHE_LIMIT
 
@@ -78,6 +79,7 @@ class DataParallelTrainer(CompiledTrainer):
                          recompute_policy=recompute_policy, grad_clip=grad_clip, cpu_kernels=cpu_kernels,
                          on_guard_failure=on_guard_failure, cache_limit=cache_limit)
         self.world_size = env.world_size()
+        self._owned: set[str] | None = None  # under sharding: the parameters this rank updates
         self.mesh, mesh_notes = resolve_mesh(self.config, self.world_size)
         self.decisions += [f"process mesh {self.mesh}", *mesh_notes]
         if self.world_size > 1:
@@ -99,6 +101,9 @@ class DataParallelTrainer(CompiledTrainer):
             except (RuntimeError, dist.DistError) as exc:
                 raise collective_failed("process group creation", exc,
                                         env.collective_timeout().total_seconds()) from exc
+            self._owned = owned_parameters(compiled.program.metadata)
+            if self._owned is not None:
+                drop_foreign_state(self.optimizer, self.model, self._owned)  # e.g. loaded from a checkpoint
         return compiled
 
     # ----- checkpointing: the first rank writes, every rank restores ------------------------
@@ -109,10 +114,13 @@ class DataParallelTrainer(CompiledTrainer):
         """Every rank calls it: their RNG states are gathered, the first rank writes a new crash-safe version, and
         all wait for it (CheckpointError on every rank when the write failed)."""
         rng = host.gather_objects(rng_state(), "checkpoint (gathering RNG states)")
+        live = self._live_state()
+        if self._owned is not None and self.optimizer is not None:  # sharded: every rank's entries, in one file
+            live.optimizer = consolidated_optimizer(self.optimizer)
         written, problem = "", None
         if env.rank() == 0:
             try:
-                written = save_checkpoint(dirname, self._live_state(), self.config, rng)
+                written = save_checkpoint(dirname, live, self.config, rng)
             except (OSError, CheckpointError) as exc:
                 problem = f"{type(exc).__name__}: {exc}"
         outcome = host.gather_objects((written, problem), "checkpoint (waiting for the first rank's write)")[0]
@@ -128,4 +136,7 @@ class DataParallelTrainer(CompiledTrainer):
             failed = [(rank, p) for rank, p in enumerate(problems) if p is not None]
             if failed:
                 raise CheckpointError(f"checkpoint {dirname!r} does not fit rank {failed[0][0]}: {failed[0][1]}")
-        return load_checkpoint(dirname, self._live_state(), self.config, agree)
+        loaded = load_checkpoint(dirname, self._live_state(), self.config, agree)
+        if self._owned is not None:  # the checkpoint holds every parameter's state: keep this rank's
+            drop_foreign_state(self.optimizer, self.model, self._owned)
+        return loaded

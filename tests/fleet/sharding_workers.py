@@ -6,9 +6,11 @@ import os
 import sys
 
 import torch
+from zoo import OPTIMIZERS, ZOO
 
+import fleetc
 import fleetc.fleet as fleet
-from fleet.workers import train_with_trainer
+from fleet.workers import global_batches, make_strategy, shard, train_with_trainer
 
 
 def optimizer_state_elements(trainer) -> int:
@@ -29,6 +31,38 @@ def train_sharded(rank: int, args: dict, out_dir: str) -> None:
         run["op_types"] = sorted({op.type for _, op in program.walk_ops()})
         runs.append(run)
     torch.save({"runs": runs}, os.path.join(out_dir, f"rank{rank}.pt"))
+    fleet.barrier_worker()
+    fleet.stop_worker()
+
+
+def checkpoint_round_trip(rank: int, args: dict, out_dir: str) -> None:
+    """`save`: train 2 steps, checkpoint, train a third; `load`: a fresh model and optimizer resume from the
+    checkpoint and train the third step. mlp with Adam, sharded by `args["strategy"]`."""
+    fleet.init(is_collective=True)
+    world = fleet.worker_num()
+    batches = global_batches("mlp", 3)
+
+    def build(seed: int):
+        torch.manual_seed(seed)
+        model = ZOO["mlp"].make_model()
+        opt = fleet.distributed_optimizer(OPTIMIZERS["adam"](model.parameters()), make_strategy(args["strategy"]))
+        return model, fleetc.compile(model, optimizer=opt, loss_fn=ZOO["mlp"].loss_fn, verify=True)
+
+    out = {}
+    if args.get("save"):
+        model, trainer = build(0)
+        for batch in batches[:2]:
+            trainer.step(*shard(batch, rank, world))
+        trainer.save_checkpoint(args["save"])
+        trainer.step(*shard(batches[2], rank, world))
+        out["continued"] = model.state_dict()
+    if args.get("load"):
+        model, trainer = build(rank + 1)
+        trainer.load_checkpoint(args["load"])
+        trainer.step(*shard(batches[2], rank, world))
+        out["resumed"] = model.state_dict()
+        out["state_elements"] = optimizer_state_elements(trainer)
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     fleet.barrier_worker()
     fleet.stop_worker()
 

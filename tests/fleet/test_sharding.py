@@ -13,10 +13,12 @@ import os
 
 import pytest
 import torch
+from zoo import OPTIMIZERS, ZOO
 
+import fleetc
 from fleet.spawn import assert_all_ok, spawn
 from fleet.test_data_parallel import check_run
-
+from fleet.workers import global_batches
 
 FP32_ATOL = 1e-5  # torch.testing.assert_close's default for float32
 
@@ -87,3 +89,48 @@ def test_gpt_adamw_equals_plain_data_parallel(tmp_path):
         plain, *stages = result.result["runs"]
         for run in stages:
             assert all(torch.equal(run["state"][k], v) for k, v in plain["state"].items())
+
+
+def resume_in_one_process(checkpoint: str) -> dict:
+    """A single process (no sharding, no ranks) loads the checkpoint and trains the third step on the full batch."""
+    torch.manual_seed(5)
+    model = ZOO["mlp"].make_model()
+    trainer = fleetc.compile(model, optimizer=OPTIMIZERS["adam"](model.parameters()), loss_fn=ZOO["mlp"].loss_fn)
+    trainer.load_checkpoint(checkpoint)
+    trainer.step(*global_batches("mlp", 3)[2])
+    return model.state_dict()
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_resumes_on_two_ranks_and_in_one_process(tmp_path):
+    """Written by 2 ranks under stage 2, read back by 2 ranks (each keeps its own share) and by one process."""
+    checkpoint = str(tmp_path / "ckpt")
+    results = spawn(2, "checkpoint_round_trip", {"strategy": sharded(2), "save": checkpoint, "load": checkpoint},
+                    tmp_path / "ranks", deadline_s=120, module="fleet.sharding_workers")
+    assert_all_ok(results)
+    continued = results[0].result["continued"]
+    for result in results:
+        for name, value in continued.items():
+            assert torch.equal(result.result["resumed"][name], value), name
+    # each rank holds its share of Adam's state after loading all of it (mlp: 6922 parameters, 2 moments each)
+    shares = [result.result["state_elements"] for result in results]
+    assert sum(shares) == 2 * 6922 and min(shares) > 0
+    single = resume_in_one_process(checkpoint)
+    for name, value in continued.items():
+        torch.testing.assert_close(single[name], value, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.skipif(not os.environ.get("FLEETC_FULL"), reason="4 processes: FLEETC_FULL=1")
+def test_checkpoint_of_four_ranks_resumes_on_two(tmp_path):
+    checkpoint = str(tmp_path / "ckpt")
+    written = spawn(4, "checkpoint_round_trip", {"strategy": sharded(2), "save": checkpoint}, tmp_path / "four",
+                    deadline_s=240, module="fleet.sharding_workers")
+    assert_all_ok(written)
+    # 4 ranks and 2 ranks split the batch differently: compare both to one process resuming on the full batch
+    single = resume_in_one_process(checkpoint)
+    resumed = spawn(2, "checkpoint_round_trip", {"strategy": sharded(1), "load": checkpoint}, tmp_path / "two",
+                    deadline_s=120, module="fleet.sharding_workers")
+    assert_all_ok(resumed)
+    for name, value in single.items():
+        torch.testing.assert_close(resumed[0].result["resumed"][name], value, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(written[0].result["continued"][name], value, msg=lambda m: f"{name}: {m}")

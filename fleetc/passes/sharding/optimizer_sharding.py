@@ -21,7 +21,13 @@ from fleetc.ir.program import Block, Op, OpRole, Program, Ref, Var, VarKind
 from fleetc.passes.base import PassReport
 from fleetc.passes.cleanup.dce import eliminate_dead_ops
 from fleetc.passes.data_parallel.bucketing import MB, plan_buckets
-from fleetc.passes.data_parallel.common import ALLOC, START, WAIT, common_module, var_numel
+from fleetc.passes.data_parallel.common import (
+    ALLOC,
+    START,
+    WAIT,
+    common_module,
+    var_numel,
+)
 from fleetc.passes.data_parallel.merged import merged_values
 from fleetc.passes.sharding.plan import ShardedBucket, assign_owners
 
@@ -88,7 +94,8 @@ class Sharding:
         if stage == 3:
             report.notes.append("stage 3 is not built yet: parameters stay whole on every rank (ran stage 2)")
         program.metadata.setdefault("collective_groups", {}).update(meta["groups"])
-        report.stats["owned_params"] = len(params) - len(foreign)
+        meta["owned"] = [p for p in params if p not in foreign]
+        report.stats["owned_params"] = len(meta["owned"])
         report.changed = True
         return program, report
 
