@@ -13,12 +13,14 @@ from fleetc.comm.mesh import ProcessMesh, resolve_mesh
 from fleetc.comm.plan import check_plans_agree, check_ranks_agree
 from fleetc.compiler import CompiledStep, CompiledTrainer
 from fleetc.errors import CheckpointError
+from fleetc.fleet.sharded_state import consolidated_optimizer, drop_foreign_state, owned_parameters
+from fleetc.fleet.sharding_memory import per_rank_bytes
 from fleetc.ir.program import Program
 from fleetc.passes.manager import History
 from fleetc.passes.optimizers import GradClip
 from fleetc.passes.recompute import RecomputePolicy
+from fleetc.passes.sharding.optimizer_sharding import RS_WAIT
 from fleetc.report import CompileReport
-from fleetc.fleet.sharded_state import consolidated_optimizer, drop_foreign_state, owned_parameters
 from fleetc.runtime.checkpoint import TrainerState, load_checkpoint, rng_state, save_checkpoint
 from fleetc.runtime.step_cache import DEFAULT_CACHE_LIMIT
 
@@ -105,6 +107,15 @@ class DataParallelTrainer(CompiledTrainer):
             if self._owned is not None:
                 drop_foreign_state(self.optimizer, self.model, self._owned)  # e.g. loaded from a checkpoint
         return compiled
+
+    def memory_stats(self) -> dict[str, Any]:
+        """The static estimate; under sharding also `sharding`: this rank's parameter, gradient and optimizer-state
+        bytes beside the ZeRO formula's (fleet/sharding_memory.py)."""
+        stats = super().memory_stats()
+        if self._owned is not None and self.optimizer is not None:
+            stats["sharding"] = per_rank_bytes(self.model, self.optimizer, self.program, self.mesh.sharding,
+                                               self.config.sharding_configs.stage, RS_WAIT)
+        return stats
 
     # ----- checkpointing: the first rank writes, every rank restores ------------------------
     def _live_state(self) -> TrainerState:

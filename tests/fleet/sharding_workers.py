@@ -28,6 +28,12 @@ def train_sharded(rank: int, args: dict, out_dir: str) -> None:
         program = trainer.program
         run["state_elements"] = optimizer_state_elements(trainer)
         run["params"] = len(list(trainer.model.parameters()))
+        run["memory"] = trainer.memory_stats()["sharding"]
+        inputs = shard(global_batches(config["zoo"], 1)[0], rank, fleet.worker_num())[:-1]
+        run["eval"] = trainer(*inputs)  # forward only under sharding, beside eager eval on the same parameters
+        trainer.model.eval()
+        with torch.no_grad():
+            run["eager_eval"] = trainer.model(*inputs)
         run["op_types"] = sorted({op.type for _, op in program.walk_ops()})
         runs.append(run)
     torch.save({"runs": runs}, os.path.join(out_dir, f"rank{rank}.pt"))

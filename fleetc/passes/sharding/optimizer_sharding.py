@@ -81,9 +81,9 @@ class Sharding:
         degree, rank = meta["degree"], meta["rank"]
         params = list(dict.fromkeys(op.attrs["param"] for ops in updates.values() for op in ops))
         sizes = {p: var_numel(program.var(p)) for p in params}
-        owners = assign_owners(sizes, degree)
-        foreign = {p for p in params if owners[p] != rank}
         stage = config.sharding_configs.stage
+        owners = assign_owners(sizes, degree, self._gradient_buckets(program) if stage >= 2 else None)
+        foreign = {p for p in params if owners[p] != rank}
         report.notes.append(f"stage {stage}, {degree} ranks: this rank (index {rank} in its sharding group) owns "
                             f"{len(params) - len(foreign)} of {len(params)} parameters "
                             f"({sum(sizes[p] for p in params if p not in foreign)} of {sum(sizes.values())} elements)")
@@ -98,6 +98,13 @@ class Sharding:
         report.stats["owned_params"] = len(meta["owned"])
         report.changed = True
         return program, report
+
+    @staticmethod
+    def _gradient_buckets(program: Program) -> list[list[str]]:
+        """The parameters behind each gradient bucket (none under gradient merge, whose accumulators stay whole)."""
+        if merged_values(program):
+            return []
+        return [[g.removesuffix("@GRAD") for g in op.outputs] for op in program.global_block.ops if op.type == WAIT]
 
     def _shard_updates(self, program: Program, block: Block, foreign: set[str], owners: dict[str, int],
                        sizes: dict[str, int], degree: int, config: Any, report: PassReport) -> None:

@@ -10,17 +10,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-def assign_owners(sizes: dict[str, int], degree: int) -> dict[str, int]:
-    """Parameter → owning rank (in the sharding group): largest first, each to the least-loaded rank (lowest on ties).
+def assign_owners(sizes: dict[str, int], degree: int, buckets: list[list[str]] | None = None) -> dict[str, int]:
+    """Parameter → owning rank (in the sharding group): largest first, each to the least-loaded rank.
 
-    Deterministic: ties in size are broken by name. With more ranks than parameters some ranks own nothing.
+    With `buckets` (stage 2's gradient buckets) the load that counts first is the bucket's, then the overall one,
+    so every bucket's segments come out nearly even (little padding in its reduce-scatter) and the total stays
+    balanced; parameters in no bucket come last. Deterministic: ties go by name, then to the lowest rank. With
+    more ranks than parameters some ranks own nothing.
     """
     loads = [0] * degree
-    owners = {}
-    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
-        rank = min(range(degree), key=lambda r: (loads[r], r))
-        owners[name] = rank
-        loads[rank] += sizes[name]
+    owners: dict[str, int] = {}
+    covered = {name for bucket in buckets or () for name in bucket}
+    for group in [*(buckets or ()), [n for n in sizes if n not in covered]]:
+        local = [0] * degree
+        for name in sorted(group, key=lambda n: (-sizes[n], n)):
+            rank = min(range(degree), key=lambda r: (local[r], loads[r], r))
+            owners[name] = rank
+            local[rank] += sizes[name]
+            loads[rank] += sizes[name]
     return owners
 
 
