@@ -93,3 +93,14 @@ def c_sharding_reduce_scatter_wait(pending: PendingReduceScatter) -> torch.Tenso
 def shard_views(shard: torch.Tensor, shapes: list) -> torch.Tensor | tuple:
     views = bucket_views(shard, shapes)
     return views[0] if len(views) == 1 else tuple(views)
+
+
+@register_op("c_sharding_found_inf_max", "AMP under stage 2: any rank's overflow flag, so every rank skips the same "
+             "steps (each checked only the gradient shards it keeps)")
+def c_sharding_found_inf_max(found_inf: torch.Tensor, group: str, dp_group: str) -> torch.Tensor:
+    flag = found_inf.clone()
+    for name in (group, dp_group):
+        if name:
+            blocking_collective("sharding found_inf max-allreduce", dist.all_reduce, flag, op=dist.ReduceOp.MAX,
+                                group=groups.group(name))
+    return flag

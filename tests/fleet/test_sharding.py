@@ -139,3 +139,35 @@ def test_checkpoint_of_four_ranks_resumes_on_two(tmp_path):
     for name, value in single.items():
         torch.testing.assert_close(resumed[0].result["resumed"][name], value, msg=lambda m: f"{name}: {m}")
         torch.testing.assert_close(written[0].result["continued"][name], value, msg=lambda m: f"{name}: {m}")
+
+
+def stage_2_beside_plain_data_parallel(strategy: dict, zoo: str = "mlp", steps: int = 3) -> list[dict]:
+    return [{"zoo": zoo, "optimizer": "adam", "steps": steps, "dropout_off": True, "strategy": dict(strategy, **extra)}
+            for extra in ({}, sharded(2))]
+
+
+# Stage 2 must train exactly as unsharded data parallel does under each composed strategy (which itself matches
+# eager training in test_data_parallel.py): AMP (each rank checks its shards, found_inf max-allreduced), gradient
+# merge (accumulators allreduced once per k steps), recompute.
+COMPOSED = [
+    *stage_2_beside_plain_data_parallel({"amp": True}),
+    *stage_2_beside_plain_data_parallel({"gradient_merge": True, "gradient_merge_configs": {"k_steps": 2}}, steps=4),
+    *stage_2_beside_plain_data_parallel({"recompute": True, "recompute_configs": {"checkpoints": ["layers.0"]}},
+                                        zoo="gpt"),
+]
+
+
+@pytest.mark.slow
+def test_stage_2_composes_with_amp_gradient_merge_and_recompute(tmp_path):
+    results = spawn(2, "train_sharded", {"configs": COMPOSED}, tmp_path, deadline_s=180,
+                    module="fleet.sharding_workers")
+    assert_all_ok(results)
+    for result in results:
+        runs = result.result["runs"]
+        for plain, sharded_run, config in zip(runs[::2], runs[1::2], COMPOSED[1::2]):
+            for name, value in plain["state"].items():
+                assert torch.equal(sharded_run["state"][name], value), (config["strategy"], name)
+            assert any(not torch.equal(plain["initial"][k], v) for k, v in plain["state"].items())
+        amp, merged = runs[1], runs[3]
+        assert amp["report"]["sharding"]["found_inf_allreduces"] == 1
+        assert merged["report"]["sharding"]["owned_params"] > 0

@@ -35,6 +35,8 @@ GATHER = "fleetc.c_sharding_allgather"
 RS_START = "fleetc.c_sharding_reduce_scatter_start"
 RS_WAIT = "fleetc.c_sharding_reduce_scatter_wait"
 SHARD_VIEWS = "fleetc.shard_views"
+FOUND_INF_MAX = "fleetc.c_sharding_found_inf_max"
+CHECK_FINITE = "fleetc.check_finite_and_unscale"
 GROUP = "sharding"
 DP_GROUP = "sharding_dp"
 
@@ -183,6 +185,9 @@ class Sharding:
             report.count("padding_elements", bucket.padding(degree))
         allocs = {op.name for op in block.ops if op.type == ALLOC and op.outputs[0] not in block.vars}
         block.ops = [new for op in block.ops if op.name not in allocs for new in replaced.get(op.name, [op])]
+        foreign = {f"{p}@GRAD" for p, owner in owners.items() if owner != rank}
+        self._check_finite_over_ranks(program, block, foreign, DP_GROUP if meta.get("dp_degree", 1) > 1 else "",
+                                      report)
         eliminate_dead_ops(program, block, set(program.fetches.values()))  # e.g. a transpose of a gradient nobody reads
         kept = {name for op in block.ops for name in op.defined}
         for grad in [g for g in block.vars if g.endswith("@GRAD") and g not in kept
@@ -193,3 +198,29 @@ class Sharding:
                                     "rank does not keep (another rank owns it); use stage 1 with this Program "
                                     "(global-norm gradient clipping, say, needs every gradient)")
             del block.vars[grad]
+
+    def _check_finite_over_ranks(self, program: Program, block: Block, foreign: set[str], dp_group: str,
+                                 report: PassReport) -> None:
+        """AMP: each rank unscales and checks only the gradients it keeps (not those computed from `foreign` ones,
+        such as their fp32 casts); found_inf is then max-allreduced so every rank skips the same steps (and issues
+        the same collectives inside the update block)."""
+        derived = set(foreign)
+        for index, op in enumerate(list(block.ops)):
+            if op.type != CHECK_FINITE:
+                if derived.intersection(op.inputs):
+                    derived.update(op.defined)
+                continue
+            pairs = [(ref, out) for ref, out in zip(op.args[0], op.outputs[:-1]) if ref.name not in derived]
+            for dropped in set(op.outputs[:-1]) - {out for _, out in pairs}:
+                del block.vars[dropped]
+            found_inf = op.outputs[-1]
+            op.args = ([ref for ref, _ in pairs], *op.args[1:])
+            op.outputs = [*(out for _, out in pairs), found_inf]
+            everywhere = block.add_var(Var(program.unique_name(f"{found_inf}@ALL_RANKS"), block.vars[found_inf].shape,
+                                           block.vars[found_inf].dtype, block.vars[found_inf].device))
+            for later in block.ops[index + 1:]:
+                later.rename_inputs({found_inf: everywhere.name})
+            block.ops.insert(index + 1, Op(program.unique_name("found_inf_max"), FOUND_INF_MAX,
+                                           (Ref(found_inf), GROUP, dp_group), {}, [everywhere.name],
+                                           {"op_role": int(OpRole.COLLECTIVE), "provenance": self.name}))
+            report.count("found_inf_allreduces")
