@@ -28,6 +28,7 @@ def train_sharded(rank: int, args: dict, out_dir: str) -> None:
         program = trainer.program
         run["state_elements"] = optimizer_state_elements(trainer)
         run["params"] = len(list(trainer.model.parameters()))
+        run["full_state"] = trainer.full_state_dict()
         run["memory"] = trainer.memory_stats().get("sharding")
         inputs = shard(global_batches(config["zoo"], 1)[0], rank, fleet.worker_num())[:-1]
         run["eval"] = trainer(*inputs)  # forward only under sharding, beside eager eval on the same parameters

@@ -64,6 +64,8 @@ def check_sharding(results, configs: list[dict], world: int) -> None:
         assert ("fleetc.c_allreduce_start" in kinds) == (stage == 1)
         for run in runs:
             torch.testing.assert_close(run["eval"], run["eager_eval"])
+            assert run["full_state"].keys() == run["state"].keys()
+            assert all(torch.equal(run["full_state"][k], v) for k, v in run["state"].items())
         for run in runs:  # parameter + gradient + optimizer-state bytes of each rank, beside the ZeRO formula
             memory = run["memory"]
             assert abs(memory["total_bytes"] - memory["formula_bytes"]) <= 0.1 * memory["formula_bytes"], memory
