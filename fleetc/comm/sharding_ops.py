@@ -2,8 +2,8 @@
 
 Both move one bucket through a padded, owner-major flat buffer: rank r's segment holds, in bucket
 order, the tensors rank r owns, and every segment has the bucket's largest segment length
-(`segment`), so the collectives are the fixed-size `all_gather_into_tensor` and
-`reduce_scatter_tensor` on the sharding group. A rank that owns nothing in a bucket sends padding.
+(`segment`), so the collectives are the fixed-size `all_gather_single` and
+`reduce_scatter_single` on the sharding group. A rank that owns nothing in a bucket sends padding.
 With data-parallel replicas beside the sharding group (`dp_group` not empty) the reduce-scattered shard
 is then summed over the replicas; the average is over every rank either way. The layout (owners and
 offsets) is constant in the Program, so every rank can unpack what every other rank sent.
@@ -46,7 +46,7 @@ def c_sharding_allgather(params: list, owners: list, segment: int, group: str, l
         owned = torch.cat(flat_owned)
         mine[:owned.numel()] = owned
     gathered = torch.empty(segment * len(groups.group_ranks(group)), dtype=mine.dtype, device=mine.device)
-    blocking_collective(label, dist.all_gather_into_tensor, gathered, mine, group=groups.group(group))
+    blocking_collective(label, dist.all_gather_single, gathered, mine, group=groups.group(group))
     for param, owner, start in zip(params, owners, _slots([p.numel() for p in params], owners, segment)):
         if owner != me:
             param.copy_(gathered[start:start + param.numel()].view(param.shape))
@@ -73,7 +73,7 @@ def c_sharding_reduce_scatter_start(grads: list, owners: list, segment: int, gro
     for grad, start in zip(grads, _slots([g.numel() for g in grads], owners, segment)):
         flat[start:start + grad.numel()].view(grad.shape).copy_(grad)
     shard = torch.empty(segment, dtype=flat.dtype, device=flat.device)
-    work = run_collective(label, dist.reduce_scatter_tensor, shard, flat, op=dist.ReduceOp.SUM,
+    work = run_collective(label, dist.reduce_scatter_single, shard, flat, op=dist.ReduceOp.SUM,
                           group=groups.group(group), async_op=True)
     world = ranks * (len(groups.group_ranks(dp_group)) if dp_group else 1)
     return PendingReduceScatter(work, shard, label, dp_group, world)

@@ -1,15 +1,20 @@
 """Worker bodies of the sharding tests (`python -m fleet.sharding_workers NAME ARGS_JSON OUT_DIR`, one per rank)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
+import time
 
 import torch
 from zoo import OPTIMIZERS, ZOO
 
 import fleetc
 import fleetc.fleet as fleet
+from fleetc import CollectiveError
+from fleetc.ir import registry
+from fleetc.passes.sharding.optimizer_sharding import RS_START
 from fleet.workers import global_batches, make_strategy, shard, train_with_trainer
 
 
@@ -72,6 +77,26 @@ def checkpoint_round_trip(rank: int, args: dict, out_dir: str) -> None:
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     fleet.barrier_worker()
     fleet.stop_worker()
+
+
+def dead_rank_in_reduce_scatter(rank: int, args: dict, out_dir: str) -> None:
+    """Stage 2 on mlp; rank 1 dies where it would issue its first gradient reduce-scatter."""
+    fleet.init(is_collective=True)
+    if rank == 1:
+        dies = dataclasses.replace(registry.op_def(RS_START), reference=lambda *a, **k: os._exit(3))
+        registry._REGISTRY[RS_START] = dies
+    model = ZOO["mlp"].make_model()
+    opt = fleet.distributed_optimizer(OPTIMIZERS["adam"](model.parameters()), make_strategy(args["strategy"]))
+    trainer = fleetc.compile(model, optimizer=opt, loss_fn=ZOO["mlp"].loss_fn)
+    started = time.monotonic()
+    try:
+        trainer.step(*shard(global_batches("mlp", 1)[0], rank, fleet.worker_num()))
+        outcome = {"error": None}
+    except CollectiveError as exc:
+        outcome = {"error": str(exc)}
+    outcome["seconds"] = time.monotonic() - started
+    torch.save(outcome, os.path.join(out_dir, f"rank{rank}.pt"))
+    os._exit(0)  # the process group is broken; skip its teardown
 
 
 if __name__ == "__main__":

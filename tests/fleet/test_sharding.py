@@ -173,3 +173,13 @@ def test_stage_2_composes_with_amp_gradient_merge_and_recompute(tmp_path):
         amp, merged = runs[1], runs[3]
         assert amp["report"]["sharding"]["found_inf_allreduces"] == 1
         assert merged["report"]["sharding"]["owned_params"] > 0
+
+
+@pytest.mark.slow
+def test_a_dead_rank_in_the_reduce_scatter_fails_the_survivor_within_the_timeout(tmp_path):
+    survivor, dead = spawn(2, "dead_rank_in_reduce_scatter", {"strategy": sharded(2)}, tmp_path, deadline_s=60,
+                           collective_timeout_s=5.0, module="fleet.sharding_workers")
+    assert dead.returncode == 3 and survivor.returncode == 0, survivor.output[-3000:]
+    error = survivor.result["error"]
+    assert "sharding gradient reduce-scatter 'bucket0'" in error and "rank(s) [1] did not reach it" in error, error
+    assert survivor.result["seconds"] < 5.0 + 8.0
