@@ -23,6 +23,7 @@ from fleetc.errors import CommandError, ExportError, FleetcError
 from fleetc.fleet import export_sources, inference
 from fleetc.fleet.explain import add_explain_command
 from fleetc.fleet.launch import add_run_command
+from fleetc.fleet.sharding_estimate import format_plans, plan_for_world
 from fleetc.ir.liveness import MemoryEstimate
 from fleetc.ir.serialize import program_to_json, to_dict
 from fleetc.passes.manager import History, PassRecord
@@ -291,6 +292,19 @@ def export(options: argparse.Namespace) -> int:
     return 0
 
 
+def shard_plan(options: argparse.Namespace) -> int:
+    """Compile the factory's step in this process and print every rank's sharding plan for --world-size ranks."""
+    spec = _step_spec(_call_factory(_import_factory(options.factory), options.factory), options.factory)
+    strategy = _load_strategy(options.strategy) if options.strategy else spec.strategy
+    trainer = fleetc.compile(spec.model, strategy, optimizer=spec.optimizer, loss_fn=spec.loss_fn)
+    if not trainer.config.sharding:
+        raise CommandError("the strategy does not turn sharding on (strategy.sharding = True)")
+    trainer.step(*spec.args, **spec.kwargs)
+    mesh, plans = plan_for_world(trainer, options.world_size)
+    sys.stdout.write(format_plans(mesh, plans, trainer.config.sharding_configs.stage))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `fleetc` parser; each subcommand stores its handler in `handler`."""
     parser = argparse.ArgumentParser(prog="fleetc", description="fleetc: a graph compiler for PyTorch training.",
@@ -349,6 +363,13 @@ def build_parser() -> argparse.ArgumentParser:
     exporter.add_argument("--verify", action="store_true", help="run the IR verifier after every compiler pass")
     add_run_command(commands)
     add_explain_command(commands, lambda spec: _step_spec(_call_factory(_import_factory(spec), spec), spec))
+    planner = commands.add_parser("shard-plan", help="every rank's sharding plan and memory for a world size, "
+                                                     "before launching")
+    planner.set_defaults(handler=shard_plan)
+    planner.add_argument("factory", metavar="FACTORY", help="package.module:function returning the model and inputs")
+    planner.add_argument("--world-size", type=int, required=True, metavar="N", help="ranks to plan for")
+    planner.add_argument("--strategy", metavar="FILE",
+                         help="a DistributedStrategy as .json or .prototxt; overrides the factory's strategy")
     return parser
 
 

@@ -320,6 +320,11 @@ class CompiledTrainer:
         outputs = [out[f"output.{i}"] for i in range(len(out))]
         return tree_unflatten(outputs, compiled.out_spec)
 
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Copies of the whole, current parameters and buffers, keyed like `model.state_dict()`, on every rank
+        (sharding stages 1 and 2 leave every parameter whole after each step, so this is the model's own state)."""
+        return {name: value.detach().clone() for name, value in self.model.state_dict().items()}
+
     # ----- checkpointing ---------------------------------------------------------------------
     def _live_state(self) -> TrainerState:
         return TrainerState(self.model, self.optimizer, self.counters)

@@ -68,3 +68,11 @@ def optimizer_as_a_string() -> dict:
 
 def raises() -> dict:
     raise RuntimeError("the factory itself failed")
+
+
+def gpt_sharded() -> dict:
+    """The zoo's GPT with AdamW under sharding stage 2 (sharding degree: the whole world)."""
+    strategy = fleetc.DistributedStrategy()
+    strategy.sharding = True
+    strategy.sharding_configs = {"stage": 2}
+    return {**gpt(), "strategy": strategy}

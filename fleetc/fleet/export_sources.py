@@ -84,10 +84,13 @@ def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def full_weights(trainer: CompiledTrainer, notes: list[str]) -> dict[str, torch.Tensor]:
-    """The complete trained weights. The hook where sharding stage 3 and pipeline parallelism gather the parts each
-    rank holds: until their passes exist, those flags are not applied and every rank holds the whole model."""
+    """The complete trained weights. The hook where pipeline parallelism (and sharding stage 3, once it partitions
+    parameters) gathers the parts each rank holds: until then every rank holds the whole model."""
     config = trainer.config
-    partitioning = {"sharding": config.sharding and config.sharding_configs.stage >= 3, "pipeline": config.pipeline}
+    if config.sharding and config.sharding_configs.stage >= 3:
+        notes.append("sharding stage 3 keeps every parameter whole on every rank in this version (parameter "
+                     "sharding is not built), so the weights are complete")
+    partitioning = {"pipeline": config.pipeline}
     pending = strategy_requests_without_pass(config)
     for name, on in partitioning.items():
         if not on:

@@ -10,14 +10,17 @@ from torch import nn
 from fleetc.capture import DynamicDims
 from fleetc.comm import env, groups, host
 from fleetc.comm.faults import collective_failed
-from fleetc.comm.mesh import resolve_mesh
+from fleetc.comm.mesh import ProcessMesh, resolve_mesh
 from fleetc.comm.plan import check_plans_agree, check_ranks_agree
 from fleetc.compiler import CompiledStep, CompiledTrainer
 from fleetc.errors import CheckpointError
+from fleetc.fleet.sharded_state import consolidated_optimizer, drop_foreign_state, owned_parameters
+from fleetc.fleet.sharding_memory import per_rank_bytes
 from fleetc.ir.program import Program
 from fleetc.passes.manager import History
 from fleetc.passes.optimizers import GradClip
 from fleetc.passes.recompute import RecomputePolicy
+from fleetc.passes.sharding.optimizer_sharding import RS_WAIT
 from fleetc.report import CompileReport
 from fleetc.runtime.checkpoint import TrainerState, load_checkpoint, rng_state, save_checkpoint
 from fleetc.runtime.step_cache import DEFAULT_CACHE_LIMIT
@@ -51,6 +54,15 @@ def broadcast_state(model: nn.Module) -> None:
             raise collective_failed(f"broadcast of {name!r} from rank 0", exc, timeout.total_seconds()) from exc
 
 
+def sharding_metadata(mesh: ProcessMesh, rank: int) -> dict[str, Any]:
+    """What the sharding pass needs to know about this rank's place in the mesh (passes never see the environment)."""
+    groups_ = {"sharding": mesh.groups("sharding")}
+    if mesh.dp > 1:
+        groups_["sharding_dp"] = mesh.groups("dp")
+    return {"degree": mesh.sharding, "rank": mesh.coordinates(rank)["sharding"], "dp_degree": mesh.dp,
+            "groups": groups_}
+
+
 class DataParallelTrainer(CompiledTrainer):
     """Each rank trains on its own shard of the batch; gradients are averaged, so all ranks stay identical.
 
@@ -72,6 +84,7 @@ class DataParallelTrainer(CompiledTrainer):
                          on_guard_failure=on_guard_failure, cache_limit=cache_limit, dynamic=dynamic,
                          dynamic_dims=dynamic_dims)
         self.world_size = env.world_size()
+        self._owned: set[str] | None = None  # under sharding: the parameters this rank updates
         self.mesh, mesh_notes = resolve_mesh(self.config, self.world_size)
         self.decisions += [f"process mesh {self.mesh}", *mesh_notes]
         if self.world_size > 1:
@@ -79,6 +92,8 @@ class DataParallelTrainer(CompiledTrainer):
 
     def _optimize(self, program: Program, capture_seconds: float) -> tuple[Program, History, CompileReport]:
         program.metadata["data_parallel"] = {"world_size": self.world_size}
+        if self.config.sharding and self.world_size > 1:
+            program.metadata["sharding"] = sharding_metadata(self.mesh, env.rank())
         return super()._optimize(program, capture_seconds)
 
     def _compile(self, kind: str, args: tuple, kwargs: dict, dynamic: DynamicDims) -> CompiledStep:
@@ -91,7 +106,19 @@ class DataParallelTrainer(CompiledTrainer):
             except (RuntimeError, dist.DistError) as exc:
                 raise collective_failed("process group creation", exc,
                                         env.collective_timeout().total_seconds()) from exc
+            self._owned = owned_parameters(compiled.program.metadata)
+            if self._owned is not None:
+                drop_foreign_state(self.optimizer, self.model, self._owned)  # e.g. loaded from a checkpoint
         return compiled
+
+    def memory_stats(self) -> dict[str, Any]:
+        """The static estimate; under sharding also `sharding`: this rank's parameter, gradient and optimizer-state
+        bytes beside the ZeRO formula's (fleet/sharding_memory.py)."""
+        stats = super().memory_stats()
+        if self._owned is not None and self.optimizer is not None:
+            stats["sharding"] = per_rank_bytes(self.model, self.optimizer, self.program, self.mesh.sharding,
+                                               self.config.sharding_configs.stage, RS_WAIT)
+        return stats
 
     # ----- checkpointing: the first rank writes, every rank restores ------------------------
     def _live_state(self) -> TrainerState:
@@ -101,10 +128,13 @@ class DataParallelTrainer(CompiledTrainer):
         """Every rank calls it: their RNG states are gathered, the first rank writes a new crash-safe version, and
         all wait for it (CheckpointError on every rank when the write failed)."""
         rng = host.gather_objects(rng_state(), "checkpoint (gathering RNG states)")
+        live = self._live_state()
+        if self._owned is not None and self.optimizer is not None:  # sharded: every rank's entries, in one file
+            live.optimizer = consolidated_optimizer(self.optimizer)
         written, problem = "", None
         if env.rank() == 0:
             try:
-                written = save_checkpoint(dirname, self._live_state(), self.config, rng)
+                written = save_checkpoint(dirname, live, self.config, rng)
             except (OSError, CheckpointError) as exc:
                 problem = f"{type(exc).__name__}: {exc}"
         outcome = host.gather_objects((written, problem), "checkpoint (waiting for the first rank's write)")[0]
@@ -120,4 +150,7 @@ class DataParallelTrainer(CompiledTrainer):
             failed = [(rank, p) for rank, p in enumerate(problems) if p is not None]
             if failed:
                 raise CheckpointError(f"checkpoint {dirname!r} does not fit rank {failed[0][0]}: {failed[0][1]}")
-        return load_checkpoint(dirname, self._live_state(), self.config, agree)
+        loaded = load_checkpoint(dirname, self._live_state(), self.config, agree)
+        if self._owned is not None:  # the checkpoint holds every parameter's state: keep this rank's
+            drop_foreign_state(self.optimizer, self.model, self._owned)
+        return loaded

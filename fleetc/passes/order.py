@@ -33,6 +33,7 @@ from fleetc.passes.optimizers import AdaptiveLocalSGD, GradClip, GradientClip, L
 from fleetc.passes.parameter_server import ParameterServerRewrite
 from fleetc.passes.precision import AutoMixedPrecision
 from fleetc.passes.recompute import Recompute, RecomputePolicy
+from fleetc.passes.sharding import Sharding
 from fleetc.strategy.distributed import DISTRIBUTED_SCHEMA
 from fleetc.strategy.fields import PADDLE_ONLY_PATHS
 
@@ -62,9 +63,10 @@ PASS_ORDER: tuple[type, ...] = (
     ParameterServerRewrite,  # parameter-server workers: pulls, and the update moved to the servers behind a push
     InsertAllreduce,  # data parallel only: average every gradient across ranks
     FuseAllreduce,  # one flat buffer and one collective per bucket of gradients
+    Sharding,  # owners update their parameters; stage 2 turns the buckets into reduce-scatters (before views)
     AllreduceViews,  # gradient producers write into their bucket's buffer (no packing copy)
     OverlapAllreduce,  # wait for a bucket just before its first consumer (sync_nccl_allreduce=False)
-    # (sharding and the pipeline-parallel split go here)
+    # (the pipeline-parallel split goes here)
     FuseOptimizerOps,  # one multi-tensor update per group
     DeadCodeElimination,  # results nobody reads (e.g. saved stats of unused outputs)
     InplacePointwise,  # memory planning, last: liveness of the final Program decides what may be overwritten
@@ -100,7 +102,6 @@ def all_pass_names() -> list[str]:
 _PENDING = (
     ("recompute_configs.enable_offload", "offloading checkpoints to host memory (recompute keeps them on the device)"),
     ("pipeline", "pipeline partitioning"),
-    ("sharding", "the sharding pass"),
     ("build_strategy.fuse_relu_depthwise_conv", "a relu+depthwise-conv fusion pass"),
     ("build_strategy.fuse_broadcast_ops", "a broadcast fusion pass (data parallel only)"),
 )

@@ -195,17 +195,20 @@ def test_a_model_that_cannot_be_exported_names_the_construct_and_the_line(tmp_pa
 
 
 def test_sharding_stage3_and_pipeline_hook(tmp_path, monkeypatch):
-    """Not applied today (every rank holds the full model): exported, with a note. Once a partitioning pass runs,
-    the hook refuses until gathering is built."""
+    """Sharding stage 3 keeps parameters whole today, and pipeline is not applied: exported, with a note. Once the
+    pipeline pass runs, the hook refuses until gathering is built."""
     strategy = fleetc.DistributedStrategy()
     strategy.sharding = True
     strategy.sharding_configs = {"stage": 3}
     trainer, (x,), _ = trained(ZOO["mlp"], strategy, steps=1)
-    with pytest.warns(UserWarning, match="sharding was not applied in training"):
+    with pytest.warns(UserWarning, match="sharding stage 3 keeps every parameter whole"):
         result = inference.save_inference_model(trainer, str(tmp_path / "m"), "x", "output")
-    assert any(note.startswith("sharding was not applied") for note in result.meta["notes"])
+    assert any(note.startswith("sharding stage 3 keeps") for note in result.meta["notes"])
+    strategy = fleetc.DistributedStrategy()
+    strategy.pipeline = True
+    trainer, (x,), _ = trained(ZOO["mlp"], strategy, steps=1)
     monkeypatch.setattr(export_sources, "strategy_requests_without_pass", lambda config: {})
-    with pytest.raises(fleetc.ExportError, match="under sharding: each rank holds part of the weights"):
+    with pytest.raises(fleetc.ExportError, match="under pipeline: each rank holds part of the weights"):
         inference.save_inference_model(trainer, str(tmp_path / "m2"), "x", "output")
 
 

@@ -43,22 +43,29 @@ def make_model(config: dict) -> nn.Module:
 
 def train(rank: int, world: int, config: dict) -> dict:
     """Data-parallel training of a zoo model on this rank's shard of each global batch."""
+    return train_with_trainer(rank, world, config)[1]
+
+
+def train_with_trainer(rank: int, world: int, config: dict) -> tuple:
+    """(the trainer, what `train` returns)."""
     entry = ZOO[config["zoo"]]
     torch.manual_seed(rank)  # different on every rank: the broadcast from rank 0 must make them equal
     model = make_model(config)
     opt = fleet.distributed_optimizer(OPTIMIZERS[config["optimizer"]](model.parameters()),
                                       make_strategy(config["strategy"]))
-    # Every rank compiles the same model, strategy and shard shapes into the same Program: verifying one is enough.
-    trainer = fleetc.compile(model, optimizer=opt, loss_fn=entry.loss_fn, verify=rank == 0)
+    # Every rank compiles the same model, strategy and shard shapes into the same Program: verifying one is enough
+    # (not under sharding, where each rank's Program updates the parameters it owns).
+    trainer = fleetc.compile(model, optimizer=opt, loss_fn=entry.loss_fn,
+                             verify=rank == 0 or bool(config["strategy"].get("sharding")))
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     losses = [trainer.step(*shard(batch, rank, world)) for batch in global_batches(config["zoo"], config["steps"])]
     program = trainer.program
     starts = [block.idx for block, op in program.walk_ops() if op.type == "fleetc.c_allreduce_start"]
-    return {"initial": initial, "losses": losses, "state": model.state_dict(),
-            "collectives": len(starts), "start_blocks": sorted(set(starts)), "report": trainer.report().stats,
-            "execution": trainer.report().execution,
-            "update_block": program.metadata.get("gradient_merge", {}).get("update_block"),
-            "groups": program.metadata["collective_groups"]}
+    return trainer, {"initial": initial, "losses": losses, "state": model.state_dict(),
+                     "collectives": len(starts), "start_blocks": sorted(set(starts)), "report": trainer.report().stats,
+                     "execution": trainer.report().execution,
+                     "update_block": program.metadata.get("gradient_merge", {}).get("update_block"),
+                     "groups": program.metadata["collective_groups"]}
 
 
 def train_eagerly(rank: int, world: int, steps: int) -> dict:

@@ -1,0 +1,106 @@
+"""Sharding's collective ops (role collective): gather updated parameters from their owners, reduce-scatter gradients.
+
+Both move one bucket through a padded, owner-major flat buffer: rank r's segment holds, in bucket
+order, the tensors rank r owns, and every segment has the bucket's largest segment length
+(`segment`), so the collectives are the fixed-size `all_gather_single` and
+`reduce_scatter_single` on the sharding group. A rank that owns nothing in a bucket sends padding.
+With data-parallel replicas beside the sharding group (`dp_group` not empty) the reduce-scattered shard
+is then summed over the replicas; the average is over every rank either way. The layout (owners and
+offsets) is constant in the Program, so every rank can unpack what every other rank sent.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from fleetc.comm import groups
+from fleetc.comm.collectives import (
+    blocking_collective,
+    bucket_views,
+    run_collective,
+    wait_collective,
+)
+from fleetc.ir.registry import register_op
+
+
+def _slots(numels: list[int], owners: list[int], segment: int) -> list[int]:
+    """Start of each tensor in the owner-major padded buffer."""
+    filled: dict[int, int] = {}
+    starts = []
+    for numel, owner in zip(numels, owners):
+        starts.append(owner * segment + filled.get(owner, 0))
+        filled[owner] = filled.get(owner, 0) + numel
+    return starts
+
+
+@register_op("c_sharding_allgather", "all-gather a bucket of parameters from their owners (after the owners' "
+             "updates), in place into every rank's parameters")
+def c_sharding_allgather(params: list, owners: list, segment: int, group: str, label: str) -> None:
+    me = dist.get_rank(groups.group(group))
+    label = f"sharding parameter all-gather {label!r}"
+    flat_owned = [p.reshape(-1) for p, owner in zip(params, owners) if owner == me]
+    mine = torch.zeros(segment, dtype=params[0].dtype, device=params[0].device)
+    if flat_owned:
+        owned = torch.cat(flat_owned)
+        mine[:owned.numel()] = owned
+    gathered = torch.empty(segment * len(groups.group_ranks(group)), dtype=mine.dtype, device=mine.device)
+    blocking_collective(label, dist.all_gather_single, gathered, mine, group=groups.group(group))
+    for param, owner, start in zip(params, owners, _slots([p.numel() for p in params], owners, segment)):
+        if owner != me:
+            param.copy_(gathered[start:start + param.numel()].view(param.shape))
+
+
+@dataclass
+class PendingReduceScatter:
+    """An issued reduce-scatter: its work handle, the shard it fills and what is still to do after it."""
+
+    work: object
+    shard: torch.Tensor
+    label: str
+    dp_group: str
+    world: int
+
+
+@register_op("c_sharding_reduce_scatter_start", "pack a bucket's gradients owner-major into a padded flat buffer and "
+             "issue its reduce-scatter over the sharding group (async); the buffer dies with the collective")
+def c_sharding_reduce_scatter_start(grads: list, owners: list, segment: int, group: str, dp_group: str,
+                                    label: str) -> PendingReduceScatter:
+    label = f"sharding gradient reduce-scatter {label!r}"
+    ranks = len(groups.group_ranks(group))
+    flat = torch.zeros(segment * ranks, dtype=grads[0].dtype, device=grads[0].device)
+    for grad, start in zip(grads, _slots([g.numel() for g in grads], owners, segment)):
+        flat[start:start + grad.numel()].view(grad.shape).copy_(grad)
+    shard = torch.empty(segment, dtype=flat.dtype, device=flat.device)
+    work = run_collective(label, dist.reduce_scatter_single, shard, flat, op=dist.ReduceOp.SUM,
+                          group=groups.group(group), async_op=True)
+    world = ranks * (len(groups.group_ranks(dp_group)) if dp_group else 1)
+    return PendingReduceScatter(work, shard, label, dp_group, world)
+
+
+@register_op("c_sharding_reduce_scatter_wait", "wait for a bucket's reduce-scatter (and sum the shard over data-parallel "
+             "replicas): this rank's shard of the averaged gradients")
+def c_sharding_reduce_scatter_wait(pending: PendingReduceScatter) -> torch.Tensor:
+    wait_collective(pending.label, pending.work)
+    if pending.dp_group:
+        blocking_collective(pending.label, dist.all_reduce, pending.shard, op=dist.ReduceOp.SUM,
+                            group=groups.group(pending.dp_group))
+    return pending.shard.div_(pending.world)
+
+
+@register_op("shard_views", "views of the gradients this rank owns: consecutive at the start of its shard of a bucket")
+def shard_views(shard: torch.Tensor, shapes: list) -> torch.Tensor | tuple:
+    views = bucket_views(shard, shapes)
+    return views[0] if len(views) == 1 else tuple(views)
+
+
+@register_op("c_sharding_found_inf_max", "AMP under stage 2: any rank's overflow flag, so every rank skips the same "
+             "steps (each checked only the gradient shards it keeps)")
+def c_sharding_found_inf_max(found_inf: torch.Tensor, group: str, dp_group: str) -> torch.Tensor:
+    flag = found_inf.clone()
+    for name in (group, dp_group):
+        if name:
+            blocking_collective("sharding found_inf max-allreduce", dist.all_reduce, flag, op=dist.ReduceOp.MAX,
+                                group=groups.group(name))
+    return flag

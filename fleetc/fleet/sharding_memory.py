@@ -1,0 +1,60 @@
+"""Per-rank memory under sharding: what a rank holds, measured, beside the ZeRO formula for the same setting.
+
+Ψ parameters, N ranks in the sharding group. Bytes per parameter element, (parameter, gradient, optimizer
+state): fp32 Adam/AdamW (4, 4, 8), `use_pure_fp16` Adam/AdamW (2, 2, 12: fp32 master + two moments), fp32 SGD
+with momentum (4, 4, 4), plain SGD (4, 4, 0). Stage 1 divides the optimizer state by N, stage 2 the gradients
+too (so fp32 Adam: 16Ψ → 8Ψ + 8Ψ/N → 4Ψ + 12Ψ/N). Gradient-merge accumulators come on top and are reported
+apart. Measured: parameters and optimizer state from the live tensors; gradients from the compiled Program (what
+the rank keeps for its update: every gradient, or under stage 2 its shards).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from fleetc.ir.program import Program, VarKind
+
+_STATE_BYTES = {"Adam": 8, "AdamW": 8, "SGD": 4}  # per element, fp32 moments / momentum buffer
+MASTER_BYTES = 4
+
+
+def formula_bytes(optimizer: torch.optim.Optimizer, numel: int, degree: int, stage: int, low_precision: bool) -> int:
+    """The ZeRO formula's per-rank bytes of parameters + gradients + optimizer state (SGD without momentum keeps
+    none; an optimizer outside the table counts as stateless)."""
+    kind = type(optimizer).__name__
+    state = _STATE_BYTES.get(kind, 0)
+    if kind == "SGD" and not any(group.get("momentum") for group in optimizer.param_groups):
+        state = 0
+    weight = 2 if low_precision else 4
+    state += MASTER_BYTES if low_precision else 0
+    grads = weight * numel / (degree if stage >= 2 else 1)
+    return round(weight * numel + grads + state * numel / degree)
+
+
+def gradient_bytes(program: Program, reduce_scatter_wait: str) -> int:
+    """Bytes of gradients the rank keeps for its update: its reduce-scattered shards, else every gradient."""
+    shards = [program.var(op.outputs[0]).nbytes() for _, op in program.walk_ops() if op.type == reduce_scatter_wait]
+    if shards:
+        return sum(shards)
+    grads = program.metadata.get("optimizer", {}).get("grads", {})
+    return sum(v.nbytes() for name in grads.values() if (v := program.find_var(name)) is not None)
+
+
+def per_rank_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, program: Program, degree: int, stage: int,
+                   reduce_scatter_wait: str) -> dict[str, Any]:
+    """This rank's parameter, gradient and optimizer-state bytes, and the formula's total for comparison."""
+    params = list(model.parameters())
+    numel = sum(p.numel() for p in params)
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    state_bytes = sum(t.numel() * t.element_size() for slot in optimizer.state.values() for t in slot.values()
+                      if isinstance(t, torch.Tensor) and t.dim() > 0)
+    grads = gradient_bytes(program, reduce_scatter_wait)
+    low = any(p.dtype in (torch.float16, torch.bfloat16) for p in params)
+    accumulators = sum(v.nbytes() for v in program.persistables() if v.kind is VarKind.ACCUMULATOR)
+    return {"stage": stage, "degree": degree, "parameters": numel, "parameter_bytes": param_bytes,
+            "gradient_bytes": grads, "optimizer_state_bytes": state_bytes,
+            "total_bytes": param_bytes + grads + state_bytes,
+            "formula_bytes": formula_bytes(optimizer, numel, degree, stage, low),
+            "merge_accumulator_bytes": accumulators}

@@ -1,0 +1,55 @@
+"""Every rank's sharding plan and memory, computed from one data-parallel Program without any process.
+
+Ownership depends only on sizes, names and the gradient buckets (plan.py), which are the same on every rank,
+so the plan of a world size this machine cannot run (64 ranks, say) is computed here, before anything is
+launched: which parameters each rank owns, and its parameter, gradient and optimizer-state bytes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fleetc.ir.program import Program, VarKind
+from fleetc.passes.data_parallel.common import WAIT, var_numel
+from fleetc.passes.data_parallel.merged import merged_values
+from fleetc.passes.sharding.optimizer_sharding import update_ops
+from fleetc.passes.sharding.plan import ShardedBucket, assign_owners
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    rank: int
+    owned_params: int
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_state_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.parameter_bytes + self.gradient_bytes + self.optimizer_state_bytes
+
+
+def rank_plans(program: Program, degree: int, stage: int) -> list[RankPlan]:
+    """The plan of each rank of a sharding group of `degree`, from a data-parallel Program not yet sharded."""
+    params = list(dict.fromkeys(op.attrs["param"] for ops in update_ops(program).values() for op in ops))
+    sizes = {p: var_numel(program.var(p)) for p in params}
+    buckets = [] if merged_values(program) or stage < 2 else [
+        [g.removesuffix("@GRAD") for g in op.outputs] for op in program.global_block.ops if op.type == WAIT]
+    owners = assign_owners(sizes, degree, buckets or None)
+    state: dict[str, int] = {}
+    for name, (param, _) in program.metadata.get("state_bindings", {}).items():
+        var = program.find_var(name)
+        if var is not None and var.kind is VarKind.OPTIMIZER_STATE:
+            state[param] = state.get(param, 0) + var.nbytes()
+    param_bytes = sum(v.nbytes() for v in program.persistables() if v.kind is VarKind.PARAM)
+    grad_vars = {p: program.find_var(f"{p}@GRAD") or program.var(p) for p in params}  # AMP: maybe low precision
+    grad_bytes = sum(v.nbytes() for v in grad_vars.values())
+    plans = []
+    for rank in range(degree):
+        mine = [p for p in params if owners[p] == rank]
+        if buckets:
+            grads = sum(ShardedBucket.of(b, owners, sizes, degree).segment * grad_vars[b[0]].nbytes() // sizes[b[0]]
+                        for b in buckets)
+        else:
+            grads = grad_bytes
+        plans.append(RankPlan(rank, len(mine), param_bytes, grads, sum(state.get(p, 0) for p in mine)))
+    return plans

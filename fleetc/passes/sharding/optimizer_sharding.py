@@ -1,0 +1,226 @@
+"""ZeRO stages 1 and 2 as a rewrite of the data-parallel Program: each rank updates only the parameters it owns.
+
+Stage 1: gradients are still averaged in full (the allreduce passes); the update ops of parameters
+another rank owns are dropped, so their optimizer state is never created on this rank; after the
+updates, the parameters are all-gathered from their owners in buckets of `segment_broadcast_MB`
+(one `fleetc.c_sharding_allgather` per bucket), so every rank ends the step with every parameter whole.
+Stage 2: also each gradient bucket's allreduce becomes a reduce-scatter into an owner-major padded
+buffer that lives only inside the collective; a rank keeps its shard, and its own gradients are views of
+it (`fleetc.shard_views`); gradients it does not own are never materialised in full after their bucket.
+
+The trainer stamps `metadata["sharding"]` (stage, degree, this rank's index in its sharding group, the
+group partitions); runs only there. Ownership: passes/sharding/plan.py.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from fleetc.errors import StrategyError
+from fleetc.ir.liveness import block_reads
+from fleetc.ir.program import Block, Op, OpRole, Program, Ref, Var, VarKind
+from fleetc.passes.base import PassReport
+from fleetc.passes.cleanup.dce import eliminate_dead_ops
+from fleetc.passes.data_parallel.bucketing import MB, plan_buckets
+from fleetc.passes.data_parallel.common import (
+    ALLOC,
+    START,
+    WAIT,
+    common_module,
+    var_numel,
+)
+from fleetc.passes.data_parallel.merged import merged_values
+from fleetc.passes.sharding.plan import ShardedBucket, assign_owners
+
+GATHER = "fleetc.c_sharding_allgather"
+RS_START = "fleetc.c_sharding_reduce_scatter_start"
+RS_WAIT = "fleetc.c_sharding_reduce_scatter_wait"
+SHARD_VIEWS = "fleetc.shard_views"
+FOUND_INF_MAX = "fleetc.c_sharding_found_inf_max"
+CHECK_FINITE = "fleetc.check_finite_and_unscale"
+GROUP = "sharding"
+DP_GROUP = "sharding_dp"
+
+
+def update_ops(program: Program) -> dict[int, list[Op]]:
+    """Block index → the per-parameter optimizer ops in it (those whose `param` attribute names a parameter)."""
+    found: dict[int, list[Op]] = {}
+    for block, op in program.walk_ops():
+        if OpRole.OPTIMIZE in op.role and op.attrs.get("param"):
+            found.setdefault(block.idx, []).append(op)
+    return found
+
+
+def _belongs_to(program: Program, op: Op, params: set[str]) -> bool:
+    """Whether `op` updates one of `params` or their optimizer state (a traced update's ops, AMP's master rounding)."""
+    if OpRole.OPTIMIZE not in op.role:
+        return False
+    if op.attrs.get("param") in params:
+        return True
+    bindings = program.metadata.get("state_bindings", {})
+    return any(name in params or bindings.get(name, [None])[0] in params for name in op.defined)
+
+
+class Sharding:
+    name = "sharding"
+    enabled_by = "sharding"
+    summary = "ZeRO sharding: each rank updates the parameters it owns; stage 2 also reduce-scatters gradients"
+    reads = ("sharding_configs.stage", "sharding_configs.sharding_degree", "sharding_configs.segment_broadcast_MB",
+             "hybrid_configs.sharding_degree")
+
+    def run(self, program: Program, config: Any) -> tuple[Program, PassReport]:
+        report = PassReport(self.name)
+        meta = program.metadata.get("sharding")
+        if not meta:
+            report.skipped_reason = "single process: no ranks to shard across"
+            return program, report
+        if meta["degree"] == 1:
+            report.skipped_reason = "the sharding degree is 1: every rank keeps the whole state"
+            return program, report
+        updates = update_ops(program)
+        if not updates:
+            report.skipped_reason = "the Program has no optimizer updates to shard"
+            return program, report
+        degree, rank = meta["degree"], meta["rank"]
+        params = list(dict.fromkeys(op.attrs["param"] for ops in updates.values() for op in ops))
+        sizes = {p: var_numel(program.var(p)) for p in params}
+        stage = config.sharding_configs.stage
+        owners = assign_owners(sizes, degree, self._gradient_buckets(program) if stage >= 2 else None)
+        foreign = {p for p in params if owners[p] != rank}
+        report.notes.append(f"stage {stage}, {degree} ranks: this rank (index {rank} in its sharding group) owns "
+                            f"{len(params) - len(foreign)} of {len(params)} parameters "
+                            f"({sum(sizes[p] for p in params if p not in foreign)} of {sum(sizes.values())} elements)")
+        for block_idx in updates:
+            self._shard_updates(program, program.blocks[block_idx], foreign, owners, sizes, degree, config, report)
+        if stage >= 2:
+            self._reduce_scatter(program, owners, sizes, degree, rank, meta, report)
+        if stage == 3:
+            report.notes.append("stage 3 is not built yet: parameters stay whole on every rank (ran stage 2)")
+        program.metadata.setdefault("collective_groups", {}).update(meta["groups"])
+        meta["owned"] = [p for p in params if p not in foreign]
+        report.stats["owned_params"] = len(meta["owned"])
+        report.changed = True
+        return program, report
+
+    @staticmethod
+    def _gradient_buckets(program: Program) -> list[list[str]]:
+        """The parameters behind each gradient bucket (none under gradient merge, whose accumulators stay whole)."""
+        if merged_values(program):
+            return []
+        return [[g.removesuffix("@GRAD") for g in op.outputs] for op in program.global_block.ops if op.type == WAIT]
+
+    def _shard_updates(self, program: Program, block: Block, foreign: set[str], owners: dict[str, int],
+                       sizes: dict[str, int], degree: int, config: Any, report: PassReport) -> None:
+        """Drop the updates of parameters other ranks own; all-gather every parameter after the block's last update."""
+        everyone = set(owners)
+        last = max(i for i, op in enumerate(block.ops) if _belongs_to(program, op, everyone))
+        updated = list(dict.fromkeys(op.attrs["param"] for op in block.ops if op.attrs.get("param") in everyone
+                                     and OpRole.OPTIMIZE in op.role))
+        ops: list[Op] = []
+        for index, op in enumerate(block.ops):
+            if _belongs_to(program, op, foreign):
+                report.count("updates_dropped")
+            else:
+                ops.append(op)
+            if index == last:
+                ops.extend(self._gathers(program, updated, owners, sizes, degree, config, report))
+        block.ops = ops
+        used = {name for _, op in program.walk_ops() for name in block_reads(program, op)} | {
+            name for _, op in program.walk_ops() for name in op.defined}
+        for name, var in list(program.global_block.vars.items()):
+            if var.kind is VarKind.OPTIMIZER_STATE and name not in used:
+                del program.global_block.vars[name]
+                program.metadata.get("state_bindings", {}).pop(name, None)
+                report.count("state_vars_dropped")
+
+    def _gathers(self, program: Program, updated: list[str], owners: dict[str, int], sizes: dict[str, int],
+                 degree: int, config: Any, report: PassReport) -> list[Op]:
+        cap = config.sharding_configs.segment_broadcast_MB * MB
+        order = [(p, program.var(p).dtype, program.var(p).nbytes()) for p in updated]
+        ops = []
+        for bucket in plan_buckets(order, cap, cap, len(order)):
+            sharded = ShardedBucket.of(bucket.grads, owners, sizes, degree)
+            label = program.unique_name(f"shard_gather{report.stats.get('gather_buckets', 0)}")
+            ops.append(Op(label, GATHER, ([Ref(p) for p in sharded.names], list(sharded.owners), sharded.segment,
+                                          GROUP, label), {}, list(sharded.names),
+                          {"op_role": int(OpRole.COLLECTIVE), "provenance": self.name,
+                           "module_path": common_module(program, [p + "@GRAD" for p in sharded.names])}))
+            report.count("gather_buckets")
+            report.count("padding_elements", sharded.padding(degree))
+        return ops
+
+    def _reduce_scatter(self, program: Program, owners: dict[str, int], sizes: dict[str, int], degree: int,
+                        rank: int, meta: dict, report: PassReport) -> None:
+        """Each gradient bucket's allreduce becomes a reduce-scatter; this rank's gradients are views of its shard."""
+        if merged_values(program):
+            report.notes.append("stage 2 under gradient merge: the accumulators stay whole and are allreduced once "
+                                "per k steps (as stage 1); only the optimizer state is sharded")
+            return
+        block = program.global_block
+        waits = {op.args[1].name: op for op in block.ops if op.type == WAIT}
+        starts = {op.name: op for op in block.ops if op.type == START}
+        replaced: dict[str, list[Op]] = {}
+        for start in starts.values():
+            wait = waits[start.outputs[0]]
+            grads = list(wait.outputs)
+            bucket = ShardedBucket.of([g.removesuffix("@GRAD") for g in grads], owners, sizes, degree)
+            label = start.args[5]
+            work = block.add_var(Var(program.unique_name(f"{label}@SHARD_WORK"), None, "work", block.vars[grads[0]].device))
+            shard = block.add_var(Var(program.unique_name(f"{label}@SHARD"), (bucket.segment,), block.vars[grads[0]].dtype,
+                                      block.vars[grads[0]].device))
+            attrs = {"op_role": int(OpRole.COLLECTIVE), "provenance": self.name, "module_path": common_module(program, grads)}
+            new_start = Op(program.unique_name(f"{label}_reduce_scatter"), RS_START,
+                           (list(start.args[1]), list(bucket.owners), bucket.segment, GROUP,
+                            DP_GROUP if meta.get("dp_degree", 1) > 1 else "", label), {}, [work.name], dict(attrs))
+            new_wait = Op(program.unique_name(f"{label}_reduce_scatter_wait"), RS_WAIT, (Ref(work.name),), {},
+                          [shard.name], dict(attrs))
+            mine = [g + "@GRAD" for g in bucket.owned_by(rank)]
+            views = [Op(program.unique_name(f"{label}_owned_grads"), SHARD_VIEWS,
+                        (Ref(shard.name), [list(block.vars[g].shape) for g in mine]), {}, mine,
+                        {"op_role": int(OpRole.BACKWARD), "provenance": self.name,
+                         "module_path": attrs["module_path"]})] if mine else []
+            replaced[start.name] = [new_start]
+            replaced[wait.name] = [new_wait, *views]
+            del block.vars[start.args[0].name], block.vars[start.outputs[0]]
+            report.count("reduce_scatter_buckets")
+            report.count("padding_elements", bucket.padding(degree))
+        allocs = {op.name for op in block.ops if op.type == ALLOC and op.outputs[0] not in block.vars}
+        block.ops = [new for op in block.ops if op.name not in allocs for new in replaced.get(op.name, [op])]
+        foreign = {f"{p}@GRAD" for p, owner in owners.items() if owner != rank}
+        self._check_finite_over_ranks(program, block, foreign, DP_GROUP if meta.get("dp_degree", 1) > 1 else "",
+                                      report)
+        eliminate_dead_ops(program, block, set(program.fetches.values()))  # e.g. a transpose of a gradient nobody reads
+        kept = {name for op in block.ops for name in op.defined}
+        for grad in [g for g in block.vars if g.endswith("@GRAD") and g not in kept
+                     and program.find_var(g.removesuffix("@GRAD")) is not None]:
+            readers = [op.name for _, op in program.walk_ops() if grad in block_reads(program, op)]
+            if readers:
+                raise StrategyError(f"sharding_configs.stage 2: op {readers[0]!r} reads gradient {grad!r}, which this "
+                                    "rank does not keep (another rank owns it); use stage 1 with this Program "
+                                    "(global-norm gradient clipping, say, needs every gradient)")
+            del block.vars[grad]
+
+    def _check_finite_over_ranks(self, program: Program, block: Block, foreign: set[str], dp_group: str,
+                                 report: PassReport) -> None:
+        """AMP: each rank unscales and checks only the gradients it keeps (not those computed from `foreign` ones,
+        such as their fp32 casts); found_inf is then max-allreduced so every rank skips the same steps (and issues
+        the same collectives inside the update block)."""
+        derived = set(foreign)
+        for index, op in enumerate(list(block.ops)):
+            if op.type != CHECK_FINITE:
+                if derived.intersection(op.inputs):
+                    derived.update(op.defined)
+                continue
+            pairs = [(ref, out) for ref, out in zip(op.args[0], op.outputs[:-1]) if ref.name not in derived]
+            for dropped in set(op.outputs[:-1]) - {out for _, out in pairs}:
+                del block.vars[dropped]
+            found_inf = op.outputs[-1]
+            op.args = ([ref for ref, _ in pairs], *op.args[1:])
+            op.outputs = [*(out for _, out in pairs), found_inf]
+            everywhere = block.add_var(Var(program.unique_name(f"{found_inf}@ALL_RANKS"), block.vars[found_inf].shape,
+                                           block.vars[found_inf].dtype, block.vars[found_inf].device))
+            for later in block.ops[index + 1:]:
+                later.rename_inputs({found_inf: everywhere.name})
+            block.ops.insert(index + 1, Op(program.unique_name("found_inf_max"), FOUND_INF_MAX,
+                                           (Ref(found_inf), GROUP, dp_group), {}, [everywhere.name],
+                                           {"op_role": int(OpRole.COLLECTIVE), "provenance": self.name}))
+            report.count("found_inf_allreduces")

@@ -1,0 +1,62 @@
+"""The sharding plan without processes: ownership, the pass as each rank of a group, and the pre-launch estimate."""
+from __future__ import annotations
+
+import pytest
+from helpers.data_parallel import captured_program, run_data_parallel_passes
+
+from fleetc.cli import main
+from fleetc.comm.mesh import ProcessMesh
+from fleetc.fleet.trainer import sharding_metadata
+from fleetc.ir.program import VarKind
+from fleetc.passes.sharding.estimate import rank_plans
+from fleetc.passes.sharding.optimizer_sharding import RS_WAIT
+from fleetc.passes.sharding.plan import ShardedBucket, assign_owners
+
+
+def test_owners_are_balanced_by_size_and_deterministic():
+    sizes = {"a": 10, "b": 7, "c": 3, "d": 3}
+    assert assign_owners(sizes, 2) == {"a": 0, "b": 1, "c": 1, "d": 0}
+    assert assign_owners(dict(reversed(sizes.items())), 2) == assign_owners(sizes, 2)
+    assert set(assign_owners({"a": 1}, 3).values()) == {0}  # ranks 1 and 2 own nothing
+
+
+def test_bucket_balance_comes_first_under_stage_2():
+    sizes = {"a": 8, "b": 8, "c": 1, "d": 1}
+    overall = assign_owners(sizes, 2)
+    by_bucket = assign_owners(sizes, 2, [["a", "c"], ["b", "d"]])
+    assert overall == {"a": 0, "b": 1, "c": 0, "d": 1}  # bucket [a, c] all on rank 0: its buffer is 2 × 9
+    assert ShardedBucket.of(["a", "c"], overall, sizes, 2).padding(2) == 9
+    assert ShardedBucket.of(["a", "c"], by_bucket, sizes, 2).padding(2) == 7
+    assert by_bucket == {"a": 0, "c": 1, "b": 1, "d": 0}  # each bucket split across both ranks, loads even
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_every_rank_of_a_group_runs_the_pass_and_the_estimate_agrees(stage):
+    """Each of 4 ranks' Programs updates exactly the parameters the estimate gives it, holds that optimizer
+    state, and (stage 2) keeps that many gradient bytes; every parameter has one owner."""
+    program = captured_program("gpt")
+    unsharded, _ = run_data_parallel_passes(program, 4)
+    plans = rank_plans(unsharded, 4, stage)
+    owned = []
+    for rank in range(4):
+        stamped = program.clone()
+        stamped.metadata["sharding"] = sharding_metadata(ProcessMesh(sharding=4), rank)
+        final, history = run_data_parallel_passes(stamped, 4, sharding=True,
+                                                  sharding_configs={"stage": stage, "sharding_degree": 4})
+        owned += final.metadata["sharding"]["owned"]
+        assert len(final.metadata["sharding"]["owned"]) == plans[rank].owned_params
+        state = sum(v.nbytes() for v in final.persistables() if v.kind is VarKind.OPTIMIZER_STATE)
+        assert state == plans[rank].optimizer_state_bytes
+        if stage == 2:
+            shards = [final.var(op.outputs[0]).nbytes() for _, op in final.walk_ops() if op.type == RS_WAIT]
+            assert sum(shards) == plans[rank].gradient_bytes
+        assert "sharding" in [r.name for r in history]
+    assert sorted(owned) == sorted(unsharded.metadata["optimizer"]["grads"])
+
+
+def test_shard_plan_prints_every_rank_for_a_world_this_machine_cannot_run(capsys):
+    assert main(["shard-plan", "cli_factories:gpt_sharded", "--world-size", "64"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("process mesh dp=1 × pp=1 × sharding=64 × mp=1 (64 ranks); sharding stage 2")
+    assert len([line for line in out if line.split()[0].isdigit()]) == 64
+    assert main(["shard-plan", "cli_factories:mlp", "--world-size", "2"]) == 2  # sharding off: one-line error
