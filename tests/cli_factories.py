@@ -68,3 +68,12 @@ def optimizer_as_a_string() -> dict:
 
 def raises() -> dict:
     raise RuntimeError("the factory itself failed")
+
+
+def mlp_pipeline() -> dict:
+    """The zoo MLP under pipeline with no device_guard: hybrid_configs.pp_degree=2 cuts it automatically."""
+    strategy = fleetc.DistributedStrategy()
+    strategy.pipeline = True
+    strategy.pipeline_configs = {"micro_batch_size": 4, "accumulate_steps": 4, "schedule_mode": "ZBH1"}
+    strategy.hybrid_configs = {"pp_degree": 2}
+    return {**_mlp_step(), "strategy": strategy}

@@ -29,6 +29,7 @@ from fleetc.passes.fusion import (
 )
 from fleetc.passes.gradient_merge import GradientMerge
 from fleetc.passes.optimizers import AdaptiveLocalSGD, GradClip, GradientClip, Lamb, Lars, LocalSGD
+from fleetc.passes.pipeline_parallel.split import PipelineSplit
 from fleetc.passes.precision import AutoMixedPrecision
 from fleetc.passes.recompute import Recompute, RecomputePolicy
 
@@ -59,7 +60,8 @@ PASS_ORDER: tuple[type, ...] = (
     FuseAllreduce,  # one flat buffer and one collective per bucket of gradients
     AllreduceViews,  # gradient producers write into their bucket's buffer (no packing copy)
     OverlapAllreduce,  # wait for a bucket just before its first consumer (sync_nccl_allreduce=False)
-    # (sharding and the pipeline-parallel split go here)
+    # (sharding goes here)
+    PipelineSplit,  # stages from device_guard (or an automatic cut), per-stage Programs and the schedule
     FuseOptimizerOps,  # one multi-tensor update per group
     DeadCodeElimination,  # results nobody reads (e.g. saved stats of unused outputs)
 )
@@ -93,7 +95,8 @@ def all_pass_names() -> list[str]:
 # Strategy switches whose rewrite is not built yet: (dotted field, what would implement it).
 _PENDING = (
     ("recompute_configs.enable_offload", "offloading checkpoints to host memory (recompute keeps them on the device)"),
-    ("pipeline", "pipeline partitioning"),
+    ("pipeline", "pipelined execution in step() (pipeline_split plans the stages and the schedule; step() runs "
+                 "the whole Program)"),
     ("sharding", "the sharding pass"),
     ("build_strategy.fuse_relu_depthwise_conv", "a relu+depthwise-conv fusion pass"),
     ("build_strategy.fuse_broadcast_ops", "a broadcast fusion pass (data parallel only)"),
