@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import zlib
 from typing import Iterator, Protocol
 
 import torch
@@ -27,7 +28,7 @@ class Channel(Protocol):
 
     def send(self, peer: int, tag: str, tensors: list[torch.Tensor]) -> None: ...
 
-    def recv(self, peer: int, tag: str) -> list[torch.Tensor]: ...
+    def recv(self, peer: int, tag: str, shapes: list, dtypes: list) -> list[torch.Tensor]: ...
 
 
 class LocalMailbox:
@@ -59,7 +60,7 @@ class LocalChannel:
     def send(self, peer: int, tag: str, tensors: list[torch.Tensor]) -> None:
         self.mailbox.queue((self.stage, peer, tag, self.microbatch)).put(list(tensors))
 
-    def recv(self, peer: int, tag: str) -> list[torch.Tensor]:
+    def recv(self, peer: int, tag: str, shapes: list, dtypes: list) -> list[torch.Tensor]:
         try:
             return self.mailbox.queue((peer, self.stage, tag, self.microbatch)).get(timeout=self.mailbox.timeout_s)
         except queue.Empty:
@@ -94,9 +95,9 @@ def pipeline_send(tensors: list[torch.Tensor], peer: int, tag: str) -> None:
 
 
 @register_op("pipeline_recv", "receive the values another pipeline stage sent under the same tag")
-def pipeline_recv(peer: int, tag: str, shapes: list) -> torch.Tensor | tuple | None:
+def pipeline_recv(peer: int, tag: str, shapes: list, dtypes: list) -> torch.Tensor | tuple | None:
     """The values in the order sent: one tensor, a tuple of them, or None for an empty message."""
-    received = current_channel().recv(peer, tag)
+    received = current_channel().recv(peer, tag, shapes, dtypes)
     if [tuple(t.shape) for t in received] != [tuple(s) for s in shapes]:
         raise CollectiveError(f"pipeline message {tag!r} from stage {peer} has shapes "
                               f"{[tuple(t.shape) for t in received]}, expected {[tuple(s) for s in shapes]}")
@@ -113,6 +114,62 @@ def pipeline_shared_sum(partial: torch.Tensor, stages: list, tag: str) -> torch.
             channel.send(peer, tag, [partial])
     total = None
     for peer in stages:
-        part = partial if peer == channel.stage else channel.recv(peer, tag)[0]
+        part = partial if peer == channel.stage else channel.recv(peer, tag, [list(partial.shape)],
+                                                                   [str(partial.dtype).removeprefix("torch.")])[0]
         total = part.clone() if total is None else total + part
     return total
+
+
+class DistributedChannel:
+    """Pipeline messages over torch.distributed P2P (gloo on CPU, NCCL on GPU), one process per pipeline rank.
+
+    Stage (chunk) s lives on the process `rank_of(s)`. Each tensor of a message travels under its own integer tag,
+    derived from the sender and receiver chunks, the message name, the micro-batch and the tensor's index, so
+    messages match by tag whatever order the ranks issue them in. Sends are isend (buffered); `finish()` waits for
+    them at the end of the step. A receive waits at most `timeout_s`, then raises CollectiveError naming the peer.
+    """
+
+    def __init__(self, rank_of, timeout_s: float):
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.rank_of = rank_of
+        self.timeout_s = timeout_s
+        self.stage = -1
+        self.microbatch = -1
+        self._pending: list = []
+
+    def _tag(self, sender: int, receiver: int, tag: str, index: int) -> int:
+        return zlib.crc32(f"{sender}>{receiver}:{tag}:{self.microbatch}:{index}".encode()) & 0x3FFFFFFF
+
+    def send(self, peer: int, tag: str, tensors: list[torch.Tensor]) -> None:
+        for i, t in enumerate(tensors):
+            self._pending.append((peer, self.dist.isend(t.contiguous(), self.rank_of(peer),
+                                                        tag=self._tag(self.stage, peer, tag, i))))
+
+    def recv(self, peer: int, tag: str, shapes: list, dtypes: list) -> list[torch.Tensor]:
+        out = []
+        for i, (shape, dtype) in enumerate(zip(shapes, dtypes)):
+            buffer = torch.empty(tuple(shape), dtype=getattr(torch, dtype))
+            work = self.dist.irecv(buffer, self.rank_of(peer), tag=self._tag(peer, self.stage, tag, i))
+            self._wait(work, f"receiving {tag!r} of micro-batch {self.microbatch} from stage {peer} (rank "
+                             f"{self.rank_of(peer)})")
+            out.append(buffer)
+        return out
+
+    def finish(self) -> None:
+        """Wait for every send of the step."""
+        pending, self._pending = self._pending, []
+        for peer, work in pending:
+            self._wait(work, f"sending to stage {peer} (rank {self.rank_of(peer)})")
+
+    def _wait(self, work, what: str) -> None:
+        import datetime
+
+        try:
+            finished = work.wait(datetime.timedelta(seconds=self.timeout_s))
+        except RuntimeError as exc:
+            raise CollectiveError(f"pipeline stage {self.stage} failed {what} within {self.timeout_s:g} s: the peer "
+                                  f"died or hangs ({' '.join(str(exc).split())[:200]})") from None
+        if finished is False:
+            raise CollectiveError(f"pipeline stage {self.stage} timed out ({self.timeout_s:g} s) {what}")

@@ -1,14 +1,15 @@
-"""Runs a PipelinePlan per a Schedule inside one process: each pipeline rank is a thread, messages are hand-offs.
+"""Runs a PipelinePlan per a Schedule: every pipeline rank in one process (`LocalPipeline`, a thread per rank,
+messages handed over in memory), or one rank per process over torch.distributed (`DistributedPipeline`).
 
-This executes exactly the per-stage Programs and the per-rank action lists that a multi-process run executes (the
-same `fleetc.pipeline_send/recv` ops, over a `LocalMailbox` instead of torch.distributed), so comparing it with
-eager PyTorch checks the partition and the schedules without processes. A rank runs its actions in order; the
-send/recv actions of the schedule are carried out by the ops inside the stage Programs, the optimizer action runs
-the optimizer Program of each of the rank's chunks on the gradients summed over the micro-batches.
+Both execute exactly the per-stage Programs and per-rank action lists: a rank runs its actions in order; the
+schedule's send/recv actions are carried out by the `fleetc.pipeline_send/recv` ops inside the stage Programs; the
+optimizer action runs the optimizer Program of each of the rank's chunks on the gradients summed over the
+micro-batches. Comparing `LocalPipeline` with eager PyTorch checks the partition and the schedules with no
+processes.
 
-A parameter several chunks hold (tied embeddings) is one tensor in the model; the lowest chunk uses it and every
-other holder a copy made on the first step and kept, as separate processes would each hold one. Every copy gets
-the same update, so they stay equal (`replica_drift()` measures that).
+A parameter several chunks hold (tied embeddings) is one tensor in the model. Within one process the lowest
+holding chunk uses it and every other holder a copy made on the first step and kept, as separate processes would
+each hold one; every copy gets the same update, so they stay equal (`replica_drift()` measures that).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fleetc.comm.p2p import LocalChannel, LocalMailbox, use_channel
+from fleetc.comm.p2p import DistributedChannel, LocalChannel, LocalMailbox, use_channel
 from fleetc.errors import StrategyError
 from fleetc.ir.program import Program
 from fleetc.passes.pipeline_parallel.partition import PipelinePlan
@@ -28,44 +29,38 @@ from fleetc.runtime.hyperparameters import HyperparameterFeeds
 from fleetc.runtime.state import StateBinding
 
 
-class LocalPipeline:
-    """`step(*batch)` trains one step on a batch of m micro-batches and returns the mean micro-batch loss."""
+class PipelineExecutor:
+    """The pipeline ranks `ranks_here` of a plan: their chunks' Executables and state, and one step's work."""
 
     def __init__(self, program: Program, plan: PipelinePlan, schedule: Schedule, model: nn.Module,
-                 optimizer: torch.optim.Optimizer, *, timeout_s: float = 60.0, cpu_kernels: str | None = "off"):
+                 optimizer: torch.optim.Optimizer, ranks_here: list[int], *, cpu_kernels: str | None = "off"):
         if schedule.stages != len(plan.stages):
             raise StrategyError(f"the schedule has {schedule.stages} chunks but the model has {len(plan.stages)} "
                                 "device_guard stages")
-        self.plan, self.schedule, self.timeout_s = plan, schedule, timeout_s
+        self.plan, self.schedule, self.ranks_here = plan, schedule, ranks_here
         self.binding = StateBinding(program, model, optimizer, {})
         self.hyper = HyperparameterFeeds(program, model, optimizer)
         self.hyper_names = [spec["var"] for spec in program.metadata.get("optimizer", {}).get("feeds", [])]
         self.data_names = [n for n in program.feeds if n not in self.hyper_names]
-        self.executables = [{phase: Executable(p, cpu_kernels=cpu_kernels) for phase, p in stage.phases.items()}
-                            for stage in plan.stages]
+        self.chunks = [s for s in range(schedule.stages) if schedule.rank_of(s) in ranks_here]
+        self.executables = {s: {phase: Executable(p, cpu_kernels=cpu_kernels)
+                                for phase, p in plan.stages[s].phases.items()} for s in self.chunks}
         self.holders: dict[str, list[int]] = {}
-        for stage in plan.stages:
-            for p in stage.phases.values():
+        for s in self.chunks:
+            for p in plan.stages[s].phases.values():
                 for var in p.persistables():
-                    if stage.stage not in self.holders.setdefault(var.name, []):
-                        self.holders[var.name].append(stage.stage)
+                    if s not in self.holders.setdefault(var.name, []):
+                        self.holders[var.name].append(s)
         self.copies: dict[tuple[int, str], torch.Tensor] = {}
 
-    def _stage_state(self, resolved: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        states = []
-        for stage in self.plan.stages:
-            state = {}
-            for name, holders in self.holders.items():
-                if stage.stage not in holders:
-                    continue
-                if stage.stage == holders[0]:
-                    state[name] = resolved[name]
-                else:
-                    key = (stage.stage, name)
-                    if key not in self.copies:
-                        self.copies[key] = resolved[name].detach().clone()
-                    state[name] = self.copies[key]
-            states.append(state)
+    def _chunk_state(self, resolved: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
+        states: dict[int, dict[str, torch.Tensor]] = {s: {} for s in self.chunks}
+        for name, holders in self.holders.items():
+            states[holders[0]][name] = resolved[name]
+            for s in holders[1:]:
+                if (s, name) not in self.copies:
+                    self.copies[(s, name)] = resolved[name].detach().clone()
+                states[s][name] = self.copies[(s, name)]
         return states
 
     def replica_drift(self) -> float:
@@ -87,55 +82,104 @@ class LocalPipeline:
         chunks = [t.chunk(m) for t in tensors]
         return [{name: c[i] for name, c in zip(self.data_names, chunks)} for i in range(m)]
 
-    def step(self, *args: Any) -> torch.Tensor:
+    def _prepare(self, args: tuple) -> "_Step":
         batches = self._microbatches(args)
         hyper = dict(zip(self.hyper_names, self.hyper.values()))
-        states = self._stage_state(self.binding.resolve())
-        env = {(s, i): dict(batches[i]) for s in range(len(self.plan.stages)) for i in range(len(batches))}
-        sums: list[dict[str, torch.Tensor]] = [{} for _ in self.plan.stages]
-        losses: dict[int, torch.Tensor] = {}
+        return _Step(self._chunk_state(self.binding.resolve()), hyper,
+                     {(s, i): dict(batches[i]) for s in self.chunks for i in range(len(batches))},
+                     {s: {} for s in self.chunks}, {})
+
+    def _run_rank(self, rank: int, channel: Any, step: "_Step") -> None:
+        with use_channel(channel):
+            for action in self.schedule.actions[rank]:
+                if action.kind in COMPUTE_KINDS:
+                    self._compute(action, channel, step)
+                elif action.kind == OPTIMIZER:
+                    for s in range(rank, self.schedule.stages, self.schedule.ranks):
+                        channel.stage, channel.microbatch = s, -1
+                        exe = self.executables[s]["optimizer"]
+                        values = {**step.hyper, **step.sums[s]}
+                        exe.run(step.states[s], [values[n] for n in exe.program.feeds])
+
+    def _compute(self, action: Action, channel: Any, step: "_Step") -> None:
+        s, mb = action.stage, action.microbatch
+        channel.stage, channel.microbatch = s, mb
+        exe = self.executables[s][action.kind]
+        values = step.env[(s, mb)]
+        out = exe.run(step.states[s], [values[n] for n in exe.program.feeds])
+        for key, value in out.items():
+            if key == "loss":
+                step.losses[mb] = value
+                values[exe.program.fetches["loss"]] = value
+            elif key.startswith("grad:"):
+                name = key[5:]
+                step.sums[s][name] = value if name not in step.sums[s] else step.sums[s][name] + value
+            else:
+                values[key] = value
+
+
+class _Step:
+    """One step's working set: per-chunk state, hyperparameters, per-(chunk, micro-batch) values, gradient sums
+    per chunk, and the last stage's micro-batch losses."""
+
+    def __init__(self, states: dict, hyper: dict, env: dict, sums: dict, losses: dict):
+        self.states, self.hyper, self.env, self.sums, self.losses = states, hyper, env, sums, losses
+
+
+class LocalPipeline(PipelineExecutor):
+    """Every pipeline rank in this process, a thread each; `step(*batch)` returns the mean micro-batch loss."""
+
+    def __init__(self, program: Program, plan: PipelinePlan, schedule: Schedule, model: nn.Module,
+                 optimizer: torch.optim.Optimizer, *, timeout_s: float = 60.0, cpu_kernels: str | None = "off"):
+        super().__init__(program, plan, schedule, model, optimizer, list(range(schedule.ranks)),
+                         cpu_kernels=cpu_kernels)
+        self.timeout_s = timeout_s
+
+    def step(self, *args: Any) -> torch.Tensor:
+        step = self._prepare(args)
         mailbox = LocalMailbox(self.timeout_s)
         errors: list[BaseException] = []
 
-        def run_rank(rank: int) -> None:
-            channel = LocalChannel(mailbox, rank)
+        def run(rank: int) -> None:
             try:
-                with use_channel(channel):
-                    for action in self.schedule.actions[rank]:
-                        if action.kind in COMPUTE_KINDS:
-                            self._compute(action, channel, states, env, sums, losses)
-                        elif action.kind == OPTIMIZER:
-                            for s in range(rank, self.schedule.stages, self.schedule.ranks):
-                                channel.stage, channel.microbatch = s, -1
-                                exe = self.executables[s]["optimizer"]
-                                values = {**hyper, **sums[s]}
-                                exe.run(states[s], [values[n] for n in exe.program.feeds])
+                self._run_rank(rank, LocalChannel(mailbox, rank), step)
             except BaseException as exc:  # noqa: BLE001  (re-raised in the calling thread)
                 errors.append(exc)
 
-        threads = [threading.Thread(target=run_rank, args=(r,), name=f"pipeline-rank-{r}")
-                   for r in range(self.schedule.ranks)]
+        threads = [threading.Thread(target=run, args=(r,), name=f"pipeline-rank-{r}") for r in self.ranks_here]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         if errors:
             raise errors[0]
-        return torch.stack([losses[i] for i in range(len(batches))]).mean()
+        return torch.stack([step.losses[i] for i in range(self.schedule.microbatches)]).mean()
 
-    def _compute(self, action: Action, channel: LocalChannel, states: list, env: dict, sums: list,
-                 losses: dict) -> None:
-        s, mb = action.stage, action.microbatch
-        channel.stage, channel.microbatch = s, mb
-        exe = self.executables[s][action.kind]
-        values = env[(s, mb)]
-        out = exe.run(states[s], [values[n] for n in exe.program.feeds])
-        for key, value in out.items():
-            if key == "loss":
-                losses[mb] = value
-                values[exe.program.fetches["loss"]] = value
-            elif key.startswith("grad:"):
-                name = key[5:]
-                sums[s][name] = value if name not in sums[s] else sums[s][name] + value
-            else:
-                values[key] = value
+
+class DistributedPipeline(PipelineExecutor):
+    """This process's pipeline rank (its torch.distributed rank; the job holds exactly the pipeline ranks). Every
+    rank calls `step` with the same batch; every rank returns the same loss, broadcast from the last stage."""
+
+    def __init__(self, program: Program, plan: PipelinePlan, schedule: Schedule, model: nn.Module,
+                 optimizer: torch.optim.Optimizer, *, timeout_s: float = 60.0, cpu_kernels: str | None = "off"):
+        import torch.distributed as dist
+
+        if dist.get_world_size() != schedule.ranks:
+            raise StrategyError(f"the pipeline has {schedule.ranks} ranks but the job has {dist.get_world_size()} "
+                                "processes (pipeline with data parallel is not built yet)")
+        super().__init__(program, plan, schedule, model, optimizer, [dist.get_rank()], cpu_kernels=cpu_kernels)
+        self.timeout_s = timeout_s
+
+    def step(self, *args: Any) -> torch.Tensor:
+        import torch.distributed as dist
+
+        step = self._prepare(args)
+        rank = self.ranks_here[0]
+        channel = DistributedChannel(self.schedule.rank_of, self.timeout_s)
+        self._run_rank(rank, channel, step)
+        channel.finish()
+        last = self.schedule.rank_of(self.schedule.stages - 1)
+        loss = (torch.stack([step.losses[i] for i in range(self.schedule.microbatches)]).mean() if rank == last
+                else torch.zeros(()))
+        dist.broadcast(loss, src=last)
+        return loss

@@ -327,7 +327,8 @@ def _closure(ops: list[Op], wanted: set[str]) -> list[Op]:
 
 def _recv(program: Program, names: list[str], peer: int, tag: str) -> list[Op]:
     shapes = [list(program.var(n).shape or ()) for n in names]
-    return [Op(f"recv_{tag}_from_{peer}", "fleetc.pipeline_recv", (peer, tag, shapes), outputs=list(names),
+    dtypes = [program.var(n).dtype for n in names]
+    return [Op(f"recv_{tag}_from_{peer}", "fleetc.pipeline_recv", (peer, tag, shapes, dtypes), outputs=list(names),
                attrs={"op_role": int(OpRole.COLLECTIVE)})]
 
 
