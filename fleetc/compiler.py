@@ -47,6 +47,7 @@ from fleetc.runtime.checkpoint import (
 from fleetc.runtime.executor import Executable
 from fleetc.runtime.guards import GuardCheck, input_key, observe_guards
 from fleetc.runtime.hyperparameters import HyperparameterFeeds
+from fleetc.runtime.pipeline_local import PipelineExecutor, first_microbatch, make_pipeline
 from fleetc.runtime.state import StateBinding
 from fleetc.runtime.step_cache import DEFAULT_CACHE_LIMIT, StepCache
 from fleetc.strategy import resolve_conflicts, resolve_strategy
@@ -78,6 +79,7 @@ class CompiledStep:
     out_spec: TreeSpec | None = None
     hyper_feeds: HyperparameterFeeds | None = None  # the optimizer's values the Program is fed every step
     post_hooked: list = ()  # without an optimizer: (name, param) of params with post-accumulate-grad hooks
+    pipeline: PipelineExecutor | None = None  # strategy.pipeline: runs the per-stage Programs per the schedule
 
 
 @contextlib.contextmanager
@@ -162,7 +164,10 @@ class CompiledTrainer:
         start = time.perf_counter()
         progress_stage("capture")
         if kind == "train":
-            program, out_spec = capture_train_program(self.model, self.loss_fn, self.optimizer, args, kwargs), None
+            pipe = self.config.pipeline_configs
+            captured = (first_microbatch(args, kwargs, pipe.micro_batch_size, pipe.accumulate_steps)
+                        if self.config.pipeline and self.optimizer is not None else (args, kwargs))
+            program, out_spec = capture_train_program(self.model, self.loss_fn, self.optimizer, *captured), None
         else:
             with _eval_mode(self.model):
                 program, out_spec = capture_eval_program(self.model, args, kwargs)
@@ -181,9 +186,11 @@ class CompiledTrainer:
         accumulates = self.optimizer is None and kind == "train"  # into p.grad, across steps
         post_hooked = [(n, p) for n, p in self.model.named_parameters()
                        if accumulates and getattr(p, "_post_accumulate_grad_hooks", None)]
+        pipeline = (make_pipeline(final, self.model, self.optimizer, self.counters, self.cpu_kernels)
+                    if kind == "train" and "pipeline" in final.metadata else None)
         return CompiledStep(final, history, executable, binding, report, GuardCheck(record, self.model, self.optimizer),
                             [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)], out_spec,
-                            HyperparameterFeeds(final, self.model, self.optimizer), post_hooked)
+                            HyperparameterFeeds(final, self.model, self.optimizer), post_hooked, pipeline)
 
     def _key(self, kind: str, leaves: list, spec: TreeSpec) -> tuple:
         key: tuple = (("inputs", input_key(leaves, spec)),)
@@ -239,7 +246,8 @@ class CompiledTrainer:
         tensors = [leaves[i] for i in compiled.tensor_positions]
         feeds = tensors + compiled.hyper_feeds.values()  # before resolve(), which creates missing optimizer state
         with self._optimizer_step_hooks(compiled):
-            out = compiled.executable.run(compiled.binding.resolve(), feeds)
+            out = ({"loss": compiled.pipeline.step(*tensors)} if compiled.pipeline is not None
+                   else compiled.executable.run(compiled.binding.resolve(), feeds))
         self._store_grads(compiled.program, out, tensors)
         if self.optimizer is not None:
             self.optimizer._opt_called = True  # what optimizer.step() tells LR schedulers (no call-order warning)

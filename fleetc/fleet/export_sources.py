@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten
 
+from fleetc.comm.env import world_size
 from fleetc.compiler import CompiledTrainer
 from fleetc.errors import ExportError
 from fleetc.ir.program import Program
@@ -87,7 +88,9 @@ def full_weights(trainer: CompiledTrainer, notes: list[str]) -> dict[str, torch.
     """The complete trained weights. The hook where sharding stage 3 and pipeline parallelism gather the parts each
     rank holds: until their passes exist, those flags are not applied and every rank holds the whole model."""
     config = trainer.config
-    partitioning = {"sharding": config.sharding and config.sharding_configs.stage >= 3, "pipeline": config.pipeline}
+    # a pipeline run in one process (every stage a thread) updates the whole model
+    partitioning = {"sharding": config.sharding and config.sharding_configs.stage >= 3,
+                    "pipeline": config.pipeline and world_size() > 1}
     pending = strategy_requests_without_pass(config)
     for name, on in partitioning.items():
         if not on:

@@ -95,8 +95,6 @@ def all_pass_names() -> list[str]:
 # Strategy switches whose rewrite is not built yet: (dotted field, what would implement it).
 _PENDING = (
     ("recompute_configs.enable_offload", "offloading checkpoints to host memory (recompute keeps them on the device)"),
-    ("pipeline", "pipelined execution in step() (pipeline_split plans the stages and the schedule; step() runs "
-                 "the whole Program)"),
     ("sharding", "the sharding pass"),
     ("build_strategy.fuse_relu_depthwise_conv", "a relu+depthwise-conv fusion pass"),
     ("build_strategy.fuse_broadcast_ops", "a broadcast fusion pass (data parallel only)"),

@@ -33,12 +33,13 @@ class PipelineExecutor:
     """The pipeline ranks `ranks_here` of a plan: their chunks' Executables and state, and one step's work."""
 
     def __init__(self, program: Program, plan: PipelinePlan, schedule: Schedule, model: nn.Module,
-                 optimizer: torch.optim.Optimizer, ranks_here: list[int], *, cpu_kernels: str | None = "off"):
+                 optimizer: torch.optim.Optimizer, ranks_here: list[int], *, cpu_kernels: str | None = "off",
+                 counters: dict[str, torch.Tensor] | None = None):
         if schedule.stages != len(plan.stages):
             raise StrategyError(f"the schedule has {schedule.stages} chunks but the model has {len(plan.stages)} "
                                 "device_guard stages")
         self.plan, self.schedule, self.ranks_here = plan, schedule, ranks_here
-        self.binding = StateBinding(program, model, optimizer, {})
+        self.binding = StateBinding(program, model, optimizer, {} if counters is None else counters)
         self.hyper = HyperparameterFeeds(program, model, optimizer)
         self.hyper_names = [spec["var"] for spec in program.metadata.get("optimizer", {}).get("feeds", [])]
         self.data_names = [n for n in program.feeds if n not in self.hyper_names]
@@ -130,9 +131,10 @@ class LocalPipeline(PipelineExecutor):
     """Every pipeline rank in this process, a thread each; `step(*batch)` returns the mean micro-batch loss."""
 
     def __init__(self, program: Program, plan: PipelinePlan, schedule: Schedule, model: nn.Module,
-                 optimizer: torch.optim.Optimizer, *, timeout_s: float = 60.0, cpu_kernels: str | None = "off"):
+                 optimizer: torch.optim.Optimizer, *, timeout_s: float = 60.0, cpu_kernels: str | None = "off",
+                 counters: dict[str, torch.Tensor] | None = None):
         super().__init__(program, plan, schedule, model, optimizer, list(range(schedule.ranks)),
-                         cpu_kernels=cpu_kernels)
+                         cpu_kernels=cpu_kernels, counters=counters)
         self.timeout_s = timeout_s
 
     def step(self, *args: Any) -> torch.Tensor:
@@ -161,13 +163,15 @@ class DistributedPipeline(PipelineExecutor):
     rank calls `step` with the same batch; every rank returns the same loss, broadcast from the last stage."""
 
     def __init__(self, program: Program, plan: PipelinePlan, schedule: Schedule, model: nn.Module,
-                 optimizer: torch.optim.Optimizer, *, timeout_s: float = 60.0, cpu_kernels: str | None = "off"):
+                 optimizer: torch.optim.Optimizer, *, timeout_s: float = 60.0, cpu_kernels: str | None = "off",
+                 counters: dict[str, torch.Tensor] | None = None):
         import torch.distributed as dist
 
         if dist.get_world_size() != schedule.ranks:
             raise StrategyError(f"the pipeline has {schedule.ranks} ranks but the job has {dist.get_world_size()} "
                                 "processes (pipeline with data parallel is not built yet)")
-        super().__init__(program, plan, schedule, model, optimizer, [dist.get_rank()], cpu_kernels=cpu_kernels)
+        super().__init__(program, plan, schedule, model, optimizer, [dist.get_rank()], cpu_kernels=cpu_kernels,
+                         counters=counters)
         self.timeout_s = timeout_s
 
     def step(self, *args: Any) -> torch.Tensor:
@@ -183,3 +187,33 @@ class DistributedPipeline(PipelineExecutor):
                 else torch.zeros(()))
         dist.broadcast(loss, src=last)
         return loss
+
+
+def first_microbatch(args: tuple, kwargs: dict, micro_batch_size: int, microbatches: int) -> tuple[tuple, dict]:
+    """The step's arguments cut to their first micro-batch (what the pipeline captures), after checking that every
+    tensor holds micro_batch_size × accumulate_steps samples (Paddle's rule)."""
+    def cut(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        batch = value.shape[0] if value.dim() else 0
+        if batch % microbatches:
+            raise StrategyError(f"an input has batch size {batch}, which does not divide into "
+                                f"pipeline_configs.accumulate_steps={microbatches} micro-batches")
+        if batch != micro_batch_size * microbatches:
+            raise StrategyError(f"an input has batch size {batch}, but pipeline_configs.micro_batch_size × "
+                                f"accumulate_steps = {micro_batch_size} × {microbatches} = "
+                                f"{micro_batch_size * microbatches}: one step() takes exactly that many samples")
+        return value[:micro_batch_size]
+
+    return tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}
+
+
+def make_pipeline(program: Program, model: nn.Module, optimizer: torch.optim.Optimizer,
+                  counters: dict[str, torch.Tensor], cpu_kernels: str | None) -> PipelineExecutor:
+    """The executor `step()` uses for a Program the pipeline pass planned: every pipeline rank in this process.
+    (Under torch.distributed the data-parallel passes put collectives in the Program first, which the split
+    refuses; wiring the mesh's pp axis into them is what `DistributedPipeline` in `step()` waits for.)"""
+    from fleetc.passes.pipeline_parallel.split import pipeline_plan
+
+    plan, schedule = pipeline_plan(program)
+    return LocalPipeline(program, plan, schedule, model, optimizer, cpu_kernels=cpu_kernels, counters=counters)

@@ -11,6 +11,9 @@ from fleet.spawn import spawn
 from helpers.pipeline import STAGED, eager_accumulating_step
 from zoo import OPTIMIZERS, ZOO
 
+
+pytestmark = pytest.mark.slow  # CI still runs them
+
 STEPS, MICROBATCHES = 2, 4
 
 

@@ -7,8 +7,8 @@ input with every forward and backward op, and every single-stage optimizer op, a
 `metadata["pipeline"]` saying how it splits (stages, micro-batches, mode, predicted bubble fraction): `fleetc
 dump-ir --pipeline` prints the per-stage Programs and the schedule from it.
 
-Execution: `fleetc.runtime.pipeline_local.LocalPipeline` runs the plan in one process; `fleetc.compile`'s `step()`
-does not run pipelined yet, which `report()` says (passes/order.py lists pipeline as not applied).
+`fleetc.compile` captures the training Program on one micro-batch and `step()` runs the plan with
+`fleetc.runtime.pipeline_local` (every rank in one process, or one rank per process under torch.distributed).
 """
 from __future__ import annotations
 
@@ -39,6 +39,10 @@ class PipelineSplit:
         if program.metadata.get("kind") == "eval":
             report.skipped_reason = "an evaluation Program runs whole (forward-only pipelining is not built yet)"
             return program, report
+        if not any(is_optimize(op) for _, op in program.walk_ops()):
+            report.skipped_reason = ("no optimizer update in the Program: pipelining needs fleetc.compile(optimizer=...) "
+                                     "(without one, gradients go to p.grad and the Program runs whole)")
+            return program, report
         pipe = config.pipeline_configs
         annotated = has_stage_annotations(program)
         with _as_pass_error():
@@ -52,7 +56,7 @@ class PipelineSplit:
             report.notes.append(f"automatic cut into {stages} stages (hybrid_configs.pp_degree; no device_guard):")
             report.notes += [f"  {estimate}" for estimate in auto_partition(program, stages)]
         microbatches = pipe.accumulate_steps
-        _check_batch(program, pipe.micro_batch_size, microbatches)
+        _check_batch(program, pipe.micro_batch_size)
         with _as_pass_error():
             schedule = _schedule(pipe.schedule_mode, stages, microbatches, pipe.vpp_degree)
         plan = partition(program, microbatches)
@@ -70,8 +74,6 @@ class PipelineSplit:
             report.notes.append(f"accumulate_steps={microbatches} micro-batches for {schedule.ranks} pipeline ranks: "
                                 f"valid but wasteful (bubble fraction {simulation.bubble_fraction:.0%}); use at least "
                                 f"{schedule.ranks} micro-batches")
-        report.notes.append("step() runs this Program whole in this process; pipelined execution across processes "
-                            "is not built yet (fleetc.runtime.pipeline_local runs the plan in one process)")
         return program, report
 
 
@@ -86,20 +88,14 @@ def _as_pass_error() -> Iterator[None]:
         raise PassStrategyError(str(exc)) from None
 
 
-def _check_batch(program: Program, micro_batch_size: int, microbatches: int) -> None:
-    """Every fed batch must be micro_batch_size × accumulate_steps samples (Paddle's rule)."""
+def _check_batch(program: Program, micro_batch_size: int) -> None:
+    """The Program is captured on one micro-batch: every fed batch must hold micro_batch_size samples."""
     for name in program.feeds:
         var = program.var(name)
-        if var.kind is not VarKind.DATA or not var.shape or not isinstance(var.shape[0], int):
-            continue
-        batch = var.shape[0]
-        if batch % microbatches:
-            raise PassStrategyError(f"input {name!r} has batch size {batch}, which does not divide into "
-                                    f"pipeline_configs.accumulate_steps={microbatches} micro-batches")
-        if batch != micro_batch_size * microbatches:
-            raise PassStrategyError(f"input {name!r} has batch size {batch}, but pipeline_configs.micro_batch_size × "
-                                    f"accumulate_steps = {micro_batch_size} × {microbatches} = "
-                                    f"{micro_batch_size * microbatches}: one step() takes exactly that many samples")
+        if var.kind is VarKind.DATA and var.shape and isinstance(var.shape[0], int) \
+                and var.shape[0] != micro_batch_size:
+            raise PassStrategyError(f"input {name!r} of the captured micro-batch has batch size {var.shape[0]}, but "
+                                    f"pipeline_configs.micro_batch_size is {micro_batch_size}")
 
 
 def _schedule(mode: str, stages: int, microbatches: int, vpp: int) -> Schedule:
