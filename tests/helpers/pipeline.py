@@ -84,7 +84,7 @@ def eager_accumulating_step(model, optimizer, loss_fn, args: tuple, microbatches
     for micro in zip(*(a.chunk(microbatches) for a in args)):
         loss = loss_fn(model(micro[0]), micro[1]) / microbatches
         loss.backward()
-        total += float(loss)
+        total += loss.item()
     optimizer.step()
     optimizer.zero_grad()
     return total

@@ -154,3 +154,41 @@ def test_compiled_step_runs_pipelined_and_matches_eager_accumulation(mode):
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, msg=lambda m, name=name: f"{name}: {m}")
     assert "pipeline" not in trainer.report().skipped
+
+
+class Skip(nn.Module):
+    """Stage 2 reads a value of stage 0 (a skip connection): it must be relayed through stage 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        with fleetc.device_guard("stage:0"):
+            h = torch.tanh(self.a(x))
+        with fleetc.device_guard("stage:1"):
+            g = torch.tanh(self.b(h))
+        with fleetc.device_guard("stage:2"):
+            return self.c(g + h)
+
+
+@pytest.mark.parametrize("mode", ["FThenB", "1F1B", "ZBH1"])
+def test_skip_connection_across_stages_is_relayed(mode):
+    torch.manual_seed(0)
+    model = Skip()
+    reference = copy.deepcopy(model)
+    trainer = fleetc.compile(model, _strategy(accumulate_steps=3, micro_batch_size=2, schedule_mode=mode),
+                             optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                             loss_fn=F.cross_entropy, verify=True)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(6, 4, generator=g), torch.randint(0, 3, (6,), generator=g)
+        loss = trainer.step(x, y)
+        expected = eager_accumulating_step(reference, reference_optimizer, F.cross_entropy, (x, y), 3)
+        torch.testing.assert_close(loss, torch.tensor(expected))
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, msg=lambda m, name=name: f"{name}: {m}")
+    notes = trainer.report().notes["pipeline_split"]
+    relay = next(n for n in notes if n.startswith("  stage 1:"))
+    assert "tanh" in relay and "sends" in relay   # stage 1 forwards stage 0's h along with its own g
