@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fleetc.comm.plan import check_ranks_agree
 from fleetc.comm.p2p import DistributedChannel, LocalChannel, LocalMailbox, use_channel
 from fleetc.errors import StrategyError
 from fleetc.ir.program import Program
@@ -173,10 +174,17 @@ class DistributedPipeline(PipelineExecutor):
         super().__init__(program, plan, schedule, model, optimizer, [dist.get_rank()], cpu_kernels=cpu_kernels,
                          counters=counters)
         self.timeout_s = timeout_s
+        self.checked = False
 
     def step(self, *args: Any) -> torch.Tensor:
         import torch.distributed as dist
 
+        if not self.checked:  # a rank with another plan would wait on messages nobody sends
+            check_ranks_agree("pipeline plan check (hash exchange before the first step)",
+                              {"the pipeline schedule": str(self.schedule).splitlines(),
+                               "the stage split": self.plan.describe().splitlines()},
+                              "Every rank must compile the same model, strategy and micro-batch shapes.")
+            self.checked = True
         step = self._prepare(args)
         rank = self.ranks_here[0]
         channel = DistributedChannel(self.schedule.rank_of, self.timeout_s)

@@ -48,18 +48,32 @@ def train(rank: int, args: dict, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
+def disagreeing_plans(rank: int, args: dict, out_dir: str) -> None:
+    """Rank 1 builds another schedule: both ranks must refuse before the first message."""
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    _, _, pipe = _pipeline(rank, {**args, "mode": args["mode"] if rank == 0 else "FThenB"})
+    batch, _ = ZOO[args["model"]].make_batch(torch.Generator().manual_seed(1))
+    try:
+        pipe.step(*batch)
+        outcome = "completed"
+    except CollectiveError as exc:
+        outcome = str(exc)
+    torch.save({"outcome": outcome}, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
 def dead_stage(rank: int, args: dict, out_dir: str) -> None:
-    """Rank 1 dies before its first step (or hangs); rank 0 must fail with a CollectiveError, not hang."""
+    """After one good step rank 1 dies (or hangs); rank 0's next step must fail with a CollectiveError, not hang."""
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
     _, _, pipe = _pipeline(rank, {**args, "timeout_s": 5.0})
-    dist.barrier()
+    batch, _ = ZOO[args["model"]].make_batch(torch.Generator().manual_seed(1))
+    pipe.step(*batch)   # one good step: the plan check and the first messages pass
     if rank == 1:
         if args["fault"] == "kill":
             os._exit(3)
         import time
         time.sleep(15)
         os._exit(0)
-    batch, _ = ZOO[args["model"]].make_batch(torch.Generator().manual_seed(1))
     try:
         pipe.step(*batch)
         outcome = "completed"

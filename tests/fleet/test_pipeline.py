@@ -57,3 +57,11 @@ def test_dead_or_hung_stage_is_an_error_on_the_survivor(fault, tmp_path):
     survivor = results[0]
     assert survivor.returncode == 0, survivor.output[-3000:]
     assert "pipeline stage 0" in survivor.result["outcome"] and "stage 1 (rank 1)" in survivor.result["outcome"]
+
+
+def test_ranks_with_different_plans_refuse_before_the_first_message(tmp_path):
+    results = spawn(2, "disagreeing_plans", {"model": "gpt", "mode": "1F1B", "microbatches": MICROBATCHES},
+                    tmp_path, deadline_s=90, module="fleet.pipeline_workers")
+    for r in results:
+        assert r.returncode == 0, r.output[-3000:]
+        assert r.result["outcome"].startswith("ranks disagree on the pipeline schedule: rank(s) [1] differ from rank 0")
