@@ -12,7 +12,8 @@ import contextlib
 import queue
 import threading
 import zlib
-from typing import Iterator, Protocol
+from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 

@@ -19,12 +19,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from fleetc.comm.plan import check_ranks_agree
 from fleetc.comm.p2p import DistributedChannel, LocalChannel, LocalMailbox, use_channel
+from fleetc.comm.plan import check_ranks_agree
 from fleetc.errors import StrategyError
 from fleetc.ir.program import Program
 from fleetc.passes.pipeline_parallel.partition import PipelinePlan
-from fleetc.passes.pipeline_parallel.schedule import COMPUTE_KINDS, OPTIMIZER, Action, Schedule
+from fleetc.passes.pipeline_parallel.schedule import (
+    COMPUTE_KINDS,
+    OPTIMIZER,
+    Action,
+    Schedule,
+)
 from fleetc.runtime.executor import Executable
 from fleetc.runtime.hyperparameters import HyperparameterFeeds
 from fleetc.runtime.state import StateBinding
@@ -84,14 +89,14 @@ class PipelineExecutor:
         chunks = [t.chunk(m) for t in tensors]
         return [{name: c[i] for name, c in zip(self.data_names, chunks)} for i in range(m)]
 
-    def _prepare(self, args: tuple) -> "_Step":
+    def _prepare(self, args: tuple) -> _Step:
         batches = self._microbatches(args)
         hyper = dict(zip(self.hyper_names, self.hyper.values()))
         return _Step(self._chunk_state(self.binding.resolve()), hyper,
                      {(s, i): dict(batches[i]) for s in self.chunks for i in range(len(batches))},
                      {s: {} for s in self.chunks}, {})
 
-    def _run_rank(self, rank: int, channel: Any, step: "_Step") -> None:
+    def _run_rank(self, rank: int, channel: Any, step: _Step) -> None:
         with use_channel(channel):
             for action in self.schedule.actions[rank]:
                 if action.kind in COMPUTE_KINDS:
@@ -103,7 +108,7 @@ class PipelineExecutor:
                         values = {**step.hyper, **step.sums[s]}
                         exe.run(step.states[s], [values[n] for n in exe.program.feeds])
 
-    def _compute(self, action: Action, channel: Any, step: "_Step") -> None:
+    def _compute(self, action: Action, channel: Any, step: _Step) -> None:
         s, mb = action.stage, action.microbatch
         channel.stage, channel.microbatch = s, mb
         exe = self.executables[s][action.kind]

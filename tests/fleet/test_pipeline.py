@@ -2,15 +2,14 @@
 stage gives the surviving rank a CollectiveError within the timeout."""
 from __future__ import annotations
 
-import copy
 import os
 
 import pytest
 import torch
-from fleet.spawn import spawn
 from helpers.pipeline import STAGED, eager_accumulating_step
 from zoo import OPTIMIZERS, ZOO
 
+from fleet.spawn import spawn
 
 pytestmark = pytest.mark.slow  # CI still runs them
 
@@ -44,7 +43,8 @@ def test_two_stage_gpt_over_gloo_matches_eager(mode, tmp_path):
     for r in results:
         torch.testing.assert_close(torch.tensor(r.result["losses"]), torch.tensor(losses))  # same loss on every rank
         for name, value in r.result["params"].items():
-            torch.testing.assert_close(value, params[name], msg=lambda m, name=name: f"rank {r.rank} {name}: {m}")
+            torch.testing.assert_close(value, params[name],
+                                       msg=lambda m, name=name, rank=r.rank: f"rank {rank} {name}: {m}")
             held.add(name)
     assert held == set(params)                                       # every parameter is some stage's
     assert "tok.weight" in results[0].result["params"] and "tok.weight" in results[1].result["params"]  # tied

@@ -109,11 +109,6 @@ def partition(program: Program, microbatches: int) -> PipelinePlan:
                    for s in range(count)]
     gradients = [sorted(n for n in produced_on if n in temp and produced_on[n] >= s and min(reads_on.get(n, {count})) < s)
                  for s in range(count)]
-    for s in range(count):
-        for name in gradients[s]:
-            if name in forward_vars and produced_on[name] == s and any(
-                    is_forward(op) and name in op.inputs and st[op.name] < s for op in ops):
-                raise PassError(f"forward value {name!r} of stage {s} is read by an earlier stage's forward")
     stages = []
     for s in range(count):
         stages.append(_stage_programs(work, s, stage_map, opt_stages, activations, gradients, shared, param_stages))

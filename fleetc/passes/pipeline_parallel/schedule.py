@@ -13,8 +13,8 @@ Backward kinds: `backward` is the whole backward of a chunk; zero-bubble schedul
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from fleetc.errors import StrategyError
 from fleetc.strategy.names import closest
@@ -157,21 +157,17 @@ def _interleaved(ranks: int, microbatches: int, vpp: int) -> list[list[Action]]:
         chunk = (k // ranks) % vpp
         return (chunk if forward else vpp - 1 - chunk), (k // (ranks * vpp)) * ranks + k % ranks
 
+    def virtual(k: int, rank: int, forward: bool) -> Action:
+        chunk, mb = chunk_and_mb(k, forward)
+        return Action(FORWARD if forward else BACKWARD, mb, chunk * ranks + rank)
+
     orders = []
     for r in range(ranks):
-        def fwd(k: int) -> Action:
-            chunk, mb = chunk_and_mb(k, True)
-            return Action(FORWARD, mb, chunk * ranks + r)
-
-        def bwd(k: int) -> Action:
-            chunk, mb = chunk_and_mb(k, False)
-            return Action(BACKWARD, mb, chunk * ranks + r)
-
         warmup = total if microbatches == ranks and vpp > 1 else min(2 * (ranks - r - 1) + (vpp - 1) * ranks, total)
-        order = [fwd(k) for k in range(warmup)]
+        order = [virtual(k, r, True) for k in range(warmup)]
         for k in range(total - warmup):
-            order += [fwd(warmup + k), bwd(k)]
-        order += [bwd(k) for k in range(total - warmup, total)]
+            order += [virtual(warmup + k, r, True), virtual(k, r, False)]
+        order += [virtual(k, r, False) for k in range(total - warmup, total)]
         orders.append(order)
     return orders
 

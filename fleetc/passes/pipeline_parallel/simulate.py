@@ -9,8 +9,8 @@ every unfinished rank waits on a message nobody will send, is a ScheduleError na
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from fleetc.errors import FleetcError
 from fleetc.passes.pipeline_parallel.schedule import (

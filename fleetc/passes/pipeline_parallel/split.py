@@ -13,7 +13,8 @@ dump-ir --pipeline` prints the per-stage Programs and the schedule from it.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from fleetc.comm.mesh import _pipeline_degree
 from fleetc.errors import PassStrategyError, StrategyError
@@ -23,7 +24,11 @@ from fleetc.passes.pipeline_parallel.auto import auto_partition
 from fleetc.passes.pipeline_parallel.partition import PipelinePlan, partition
 from fleetc.passes.pipeline_parallel.schedule import Schedule, build_schedule
 from fleetc.passes.pipeline_parallel.simulate import simulate
-from fleetc.passes.pipeline_parallel.stages import assign_stages, has_stage_annotations, is_optimize
+from fleetc.passes.pipeline_parallel.stages import (
+    assign_stages,
+    has_stage_annotations,
+    is_optimize,
+)
 
 
 class PipelineSplit:

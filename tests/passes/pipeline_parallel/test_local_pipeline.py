@@ -7,7 +7,6 @@ import torch
 from helpers.pipeline import eager_accumulating_step, pipelined
 from zoo import ZOO
 
-
 pytestmark = pytest.mark.slow  # CI still runs them
 
 CASES = [("FThenB", 2, 4, 1), ("1F1B", 2, 4, 1), ("ZBH1", 2, 4, 1), ("VPP", 2, 4, 2)]

@@ -53,10 +53,10 @@ def test_schedule_prints_per_rank_actions():
     text = str(build_schedule("1F1B", 2, 3))
     assert text.splitlines() == [
         "schedule 1F1B: 2 rank(s), 3 micro-batch(es)",
-        "  rank 0: F0@s0 send_act0@s0->r1 F1@s0 send_act1@s0->r1 recv_grad0@s0<-r1 B0@s0 F2@s0 send_act2@s0->r1 "
-        "recv_grad1@s0<-r1 B1@s0 recv_grad2@s0<-r1 B2@s0 opt",
-        "  rank 1: recv_act0@s1<-r0 F0@s1 B0@s1 send_grad0@s1->r0 recv_act1@s1<-r0 F1@s1 B1@s1 send_grad1@s1->r0 "
-        "recv_act2@s1<-r0 F2@s1 B2@s1 send_grad2@s1->r0 opt"]
+        ("  rank 0: F0@s0 send_act0@s0->r1 F1@s0 send_act1@s0->r1 recv_grad0@s0<-r1 B0@s0 F2@s0 send_act2@s0->r1 "
+         "recv_grad1@s0<-r1 B1@s0 recv_grad2@s0<-r1 B2@s0 opt"),
+        ("  rank 1: recv_act0@s1<-r0 F0@s1 B0@s1 send_grad0@s1->r0 recv_act1@s1<-r0 F1@s1 B1@s1 send_grad1@s1->r0 "
+         "recv_act2@s1<-r0 F2@s1 B2@s1 send_grad2@s1->r0 opt")]
 
 
 @pytest.mark.parametrize("mode", SCHEDULE_MODES)
