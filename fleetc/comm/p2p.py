@@ -138,6 +138,7 @@ class DistributedChannel:
         self.timeout_s = timeout_s
         self.stage = -1
         self.microbatch = -1
+        self.waited_s = 0.0  # wall time spent waiting for messages and send completions (the rank's idle time)
         self._pending: list = []
 
     def _tag(self, sender: int, receiver: int, tag: str, index: int) -> int:
@@ -166,9 +167,12 @@ class DistributedChannel:
 
     def _wait(self, work, what: str) -> None:
         import datetime
+        import time
 
+        start = time.perf_counter()
         try:
             finished = work.wait(datetime.timedelta(seconds=self.timeout_s))
+            self.waited_s += time.perf_counter() - start
         except RuntimeError as exc:
             raise CollectiveError(f"pipeline stage {self.stage} failed {what} within {self.timeout_s:g} s: the peer "
                                   f"died or hangs ({' '.join(str(exc).split())[:200]})") from None

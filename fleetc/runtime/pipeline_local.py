@@ -73,7 +73,7 @@ class PipelineExecutor:
     def replica_drift(self) -> float:
         """The largest difference between a copy of a shared persistable and the model's own tensor."""
         resolved = self.binding.resolve()
-        return max((float((copy - resolved[name]).abs().max()) for (_, name), copy in self.copies.items()),
+        return max((float((copy - resolved[name].detach()).abs().max()) for (_, name), copy in self.copies.items()),
                    default=0.0)
 
     def _microbatches(self, args: tuple) -> list[dict[str, torch.Tensor]]:
@@ -180,6 +180,7 @@ class DistributedPipeline(PipelineExecutor):
                          counters=counters)
         self.timeout_s = timeout_s
         self.checked = False
+        self.last_wait_s = 0.0  # of the last step: time blocked on P2P (what bench/pipeline.py reports as idle)
 
     def step(self, *args: Any) -> torch.Tensor:
         import torch.distributed as dist
@@ -195,6 +196,7 @@ class DistributedPipeline(PipelineExecutor):
         channel = DistributedChannel(self.schedule.rank_of, self.timeout_s)
         self._run_rank(rank, channel, step)
         channel.finish()
+        self.last_wait_s = channel.waited_s
         last = self.schedule.rank_of(self.schedule.stages - 1)
         loss = (torch.stack([step.losses[i] for i in range(self.schedule.microbatches)]).mean() if rank == last
                 else torch.zeros(()))
