@@ -28,6 +28,7 @@ from fleetc.ir.liveness import MemoryEstimate
 from fleetc.ir.serialize import program_to_json, to_dict
 from fleetc.passes.manager import History, PassRecord
 from fleetc.passes.order import all_pass_names
+from fleetc.passes.pipeline_parallel.split import format_pipeline
 from fleetc.strategy import load_strategy_file
 from fleetc.strategy.atomic import write_atomically
 from fleetc.strategy.names import closest
@@ -161,6 +162,8 @@ def _check_options(options: argparse.Namespace) -> None:
         raise CommandError("--memory applies to --format text only")
     if options.dir is not None and (options.out is not None or options.format == "html"):
         raise CommandError("--dir writes one text or json file per pass: use it without --out and --format html")
+    if options.pipeline and (options.format != "text" or options.dir is not None):
+        raise CommandError("--pipeline applies to --format text only, without --dir")
     if options.kernels and (options.format != "text" or options.dir is not None):
         raise CommandError("--kernels applies to --format text only, without --dir")
 
@@ -238,6 +241,8 @@ def dump_ir(options: argparse.Namespace) -> int:
         text = _render_text(trainer.history, records, options)
     if options.kernels:
         text += format_kernels(records[-1].program) + format_cpu_kernels(records[-1].program)
+    if options.pipeline:
+        text += format_pipeline(records[-1].program)
     if options.out is None:
         sys.stdout.write(text)
         return 0
@@ -340,6 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--dynamic", action="store_true",
                       help="trace the batch and sequence dims symbolically (docs/dynamic_shapes.md); with --memory "
                            "the peak is also printed as a formula in them")
+    dump.add_argument("--pipeline", action="store_true",
+                      help="append the pipeline schedule, its simulation and each stage's Programs (pipeline on)")
     dump.add_argument("--kernels", action="store_true",
                       help="after the Program, print the Triton (CUDA) and C++ (CPU) source generated for each fused op "
                            "(text format)")

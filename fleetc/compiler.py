@@ -52,6 +52,7 @@ from fleetc.runtime.executor import Executable
 from fleetc.runtime.guards import GuardCheck, input_key, observe_guards
 from fleetc.runtime.guards.shapes import ShapeGuards
 from fleetc.runtime.hyperparameters import HyperparameterFeeds
+from fleetc.runtime.pipeline_local import PipelineExecutor, first_microbatch, make_pipeline
 from fleetc.runtime.state import StateBinding
 from fleetc.runtime.step_cache import DEFAULT_CACHE_LIMIT, StepCache
 from fleetc.strategy import resolve_conflicts, resolve_strategy
@@ -84,6 +85,7 @@ class CompiledStep:
     hyper_feeds: HyperparameterFeeds | None = None  # the optimizer's values the Program is fed every step
     post_hooked: list = ()  # without an optimizer: (name, param) of params with post-accumulate-grad hooks
     shapes: ShapeGuards | None = None  # a dynamic Program's shape guards (None: static, the cache key decides)
+    pipeline: PipelineExecutor | None = None  # strategy.pipeline: runs the per-stage Programs per the schedule
 
 
 @contextlib.contextmanager
@@ -178,6 +180,9 @@ class CompiledTrainer:
 
     def _trace(self, kind: str, args: tuple, kwargs: dict, dynamic: DynamicDims) -> tuple[Program, Any]:
         if kind == "train":
+            if self.config.pipeline and self.optimizer is not None:  # the stages run one micro-batch at a time
+                pipe = self.config.pipeline_configs
+                args, kwargs = first_microbatch(args, kwargs, pipe.micro_batch_size, pipe.accumulate_steps)
             return capture_train_program(self.model, self.loss_fn, self.optimizer, args, kwargs, dynamic), None
         with _eval_mode(self.model):
             return capture_eval_program(self.model, args, kwargs, dynamic)
@@ -203,12 +208,14 @@ class CompiledTrainer:
         accumulates = self.optimizer is None and kind == "train"  # into p.grad, across steps
         post_hooked = [(n, p) for n, p in self.model.named_parameters()
                        if accumulates and getattr(p, "_post_accumulate_grad_hooks", None)]
+        pipeline = (make_pipeline(final, self.model, self.optimizer, self.counters, self.cpu_kernels)
+                    if kind == "train" and "pipeline" in final.metadata else None)
         shapes = ShapeGuards(final) if "dynamic" in final.metadata else None
         if shapes is not None:
             report.guards += [f"shape: {line}" for line in shapes.summary()]
         return CompiledStep(final, history, executable, binding, report, GuardCheck(record, self.model, self.optimizer),
                             [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)], out_spec,
-                            HyperparameterFeeds(final, self.model, self.optimizer), post_hooked, shapes)
+                            HyperparameterFeeds(final, self.model, self.optimizer), post_hooked, shapes, pipeline)
 
     def _key(self, kind: str, leaves: list, spec: TreeSpec, dynamic: DynamicDims | None = None) -> tuple:
         key: tuple = (("inputs", input_key(leaves, spec, dynamic)),)
@@ -285,7 +292,8 @@ class CompiledTrainer:
         tensors = [leaves[i] for i in compiled.tensor_positions]
         feeds = _fed(compiled, tensors) + compiled.hyper_feeds.values()  # before resolve(), which creates missing optimizer state
         with self._optimizer_step_hooks(compiled):
-            out = compiled.executable.run(compiled.binding.resolve(), feeds)
+            out = ({"loss": compiled.pipeline.step(*tensors)} if compiled.pipeline is not None
+                   else compiled.executable.run(compiled.binding.resolve(), feeds))
         self._store_grads(compiled.program, out, tensors)
         if self.optimizer is not None:
             self.optimizer._opt_called = True  # what optimizer.step() tells LR schedulers (no call-order warning)

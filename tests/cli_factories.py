@@ -76,3 +76,12 @@ def gpt_sharded() -> dict:
     strategy.sharding = True
     strategy.sharding_configs = {"stage": 2}
     return {**gpt(), "strategy": strategy}
+
+
+def mlp_pipeline() -> dict:
+    """The zoo MLP under pipeline with no device_guard: hybrid_configs.pp_degree=2 cuts it automatically."""
+    strategy = fleetc.DistributedStrategy()
+    strategy.pipeline = True
+    strategy.pipeline_configs = {"micro_batch_size": 4, "accumulate_steps": 4, "schedule_mode": "ZBH1"}
+    strategy.hybrid_configs = {"pp_degree": 2}
+    return {**_mlp_step(), "strategy": strategy}

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten
 
+from fleetc.comm.env import world_size
 from fleetc.compiler import CompiledTrainer
 from fleetc.errors import ExportError
 from fleetc.ir.program import Program
@@ -90,7 +91,8 @@ def full_weights(trainer: CompiledTrainer, notes: list[str]) -> dict[str, torch.
     if config.sharding and config.sharding_configs.stage >= 3:
         notes.append("sharding stage 3 keeps every parameter whole on every rank in this version (parameter "
                      "sharding is not built), so the weights are complete")
-    partitioning = {"pipeline": config.pipeline}
+    # a pipeline run in one process (every stage a thread) updates the whole model
+    partitioning = {"pipeline": config.pipeline and world_size() > 1}
     pending = strategy_requests_without_pass(config)
     for name, on in partitioning.items():
         if not on:

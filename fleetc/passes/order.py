@@ -31,6 +31,7 @@ from fleetc.passes.gradient_merge import GradientMerge
 from fleetc.passes.memory import InplacePointwise
 from fleetc.passes.optimizers import AdaptiveLocalSGD, GradClip, GradientClip, Lamb, Lars, LocalSGD
 from fleetc.passes.parameter_server import ParameterServerRewrite
+from fleetc.passes.pipeline_parallel.split import PipelineSplit
 from fleetc.passes.precision import AutoMixedPrecision
 from fleetc.passes.recompute import Recompute, RecomputePolicy
 from fleetc.passes.sharding import Sharding
@@ -66,7 +67,7 @@ PASS_ORDER: tuple[type, ...] = (
     Sharding,  # owners update their parameters; stage 2 turns the buckets into reduce-scatters (before views)
     AllreduceViews,  # gradient producers write into their bucket's buffer (no packing copy)
     OverlapAllreduce,  # wait for a bucket just before its first consumer (sync_nccl_allreduce=False)
-    # (the pipeline-parallel split goes here)
+    PipelineSplit,  # stages from device_guard (or an automatic cut), per-stage Programs and the schedule
     FuseOptimizerOps,  # one multi-tensor update per group
     DeadCodeElimination,  # results nobody reads (e.g. saved stats of unused outputs)
     InplacePointwise,  # memory planning, last: liveness of the final Program decides what may be overwritten
@@ -101,7 +102,6 @@ def all_pass_names() -> list[str]:
 # Strategy switches whose rewrite is not built yet: (dotted field, what would implement it).
 _PENDING = (
     ("recompute_configs.enable_offload", "offloading checkpoints to host memory (recompute keeps them on the device)"),
-    ("pipeline", "pipeline partitioning"),
     ("build_strategy.fuse_relu_depthwise_conv", "a relu+depthwise-conv fusion pass"),
     ("build_strategy.fuse_broadcast_ops", "a broadcast fusion pass (data parallel only)"),
 )

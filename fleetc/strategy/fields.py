@@ -86,8 +86,10 @@ GRADIENT_MERGE_CONFIGS = Section("gradient_merge_configs", (
 PIPELINE_CONFIGS = Section("pipeline_configs", (
     Field("micro_batch_size", COUNT, 1, "samples per micro-batch", aliases=("micro_batch",)),
     Field("accumulate_steps", COUNT, 1, "micro-batches per mini-batch (gradients accumulate over them)"),
-    Field("schedule_mode", Choice(("1F1B", "FThenB")), "1F1B",
-          "micro-batch order: one forward one backward, or all forwards then all backwards"),
+    Field("schedule_mode", Choice(("1F1B", "FThenB", "VPP", "ZBH1")), "1F1B",
+          "micro-batch order: 1F1B, all forwards then all backwards (FThenB), interleaved 1F1B over vpp_degree "
+          "chunks per stage (VPP), or zero-bubble ZB-H1 (backward split into input and weight gradients)"),
+    Field("vpp_degree", COUNT, 1, "model chunks (virtual stages) per pipeline stage; more than 1 needs 'VPP'"),
 ), "pipeline parallel settings")
 
 AMP_CONFIGS = Section("amp_configs", (

@@ -41,7 +41,7 @@ class Strategy(FieldView, schema=Schema("Strategy", _SECTIONS),
 
     Sections: sharding (enable, stage, degree), fused_passes (enable, gemm_epilogue, dropout_add),
     gradient_merge (enable, k_steps, avg), pipeline (enable, micro_batch_size, accumulate_steps,
-    schedule_mode), amp (enable and the amp_configs keys), recompute (enable and the
+    schedule_mode, vpp_degree), amp (enable and the amp_configs keys), recompute (enable and the
     recompute_configs keys). ``config`` sets the keys it names and leaves the rest at their
     defaults; ``strategy.sharding.stage = 2`` is checked like the DistributedStrategy field.
     fused_passes.gemm_epilogue and .dropout_add take effect only while fused_passes.enable is True.

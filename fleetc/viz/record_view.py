@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterable
 
 from fleetc.viz.memory_view import memory_chart
+from fleetc.viz.pipeline_view import pipeline_timeline
 from fleetc.viz.program_view import program_body
 from fleetc.viz.style import esc, format_bytes, wrap
 
@@ -51,6 +52,7 @@ def record_body(record: PassRecord, program_open: bool = True) -> str:
     return (f'<section class="record" id="pass-{_position(record)}">'
             f'<h3>#{_position(record)} {esc(record.name)} {_state(record)}</h3>'
             f'<table class="facts">{facts}</table>{memory_chart(record.memory)}'
+            f'{pipeline_timeline(record.program) if record.name == "pipeline_split" else ""}'
             f'<details class="record-program"{state}><summary>Program after {esc(record.name)}</summary>'
             f'{program_body(record.program, before)}</details></section>')
 

@@ -184,7 +184,7 @@ def test_new_style_strategy_attribute_access():
     strategy.pipeline.micro_batch_size = 2
     assert strategy.sharding.stage == 2
     assert strategy.to_dict()["pipeline"] == {"enable": False, "micro_batch_size": 2, "accumulate_steps": 1,
-                                              "schedule_mode": "FThenB"}
+                                              "schedule_mode": "FThenB", "vpp_degree": 1}
     with pytest.raises(StrategyError, match="Strategy.sharding.stage|sharding.stage must be one of 1, 2, 3"):
         strategy.sharding.stage = 5
     assert strategy.sharding.stage == 2

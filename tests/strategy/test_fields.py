@@ -41,7 +41,7 @@ EXPECTED_DEFAULTS = {
     "lars_configs.exclude_from_weight_decay": [],
     "lamb_configs.lamb_weight_decay": 0.01, "lamb_configs.exclude_from_weight_decay": [],
     "pipeline_configs.micro_batch_size": 1, "pipeline_configs.accumulate_steps": 1,
-    "pipeline_configs.schedule_mode": "1F1B",
+    "pipeline_configs.schedule_mode": "1F1B", "pipeline_configs.vpp_degree": 1,
     "sharding_configs.stage": 1, "sharding_configs.sharding_degree": 8, "sharding_configs.segment_broadcast_MB": 32.0,
     "hybrid_configs.dp_degree": -1, "hybrid_configs.mp_degree": 1, "hybrid_configs.pp_degree": 1,
     "hybrid_configs.sharding_degree": 1,

@@ -1,0 +1,140 @@
+"""The pipeline pass: place every op on a stage, check the split, and plan the schedule.
+
+It reads the device_guard stages (or cuts the model automatically when there are none and
+`hybrid_configs.pp_degree` > 1), validates them together with the micro-batch settings, builds the per-stage
+Programs (`partition.py`) and the schedule, and runs the schedule in the simulator. The Program it returns is the
+input with every forward and backward op, and every single-stage optimizer op, annotated with its stage, and
+`metadata["pipeline"]` saying how it splits (stages, micro-batches, mode, predicted bubble fraction): `fleetc
+dump-ir --pipeline` prints the per-stage Programs and the schedule from it.
+
+`fleetc.compile` captures the training Program on one micro-batch and `step()` runs the plan with
+`fleetc.runtime.pipeline_local` (every rank in one process, or one rank per process under torch.distributed).
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from fleetc.comm.mesh import _pipeline_degree
+from fleetc.errors import PassStrategyError, StrategyError
+from fleetc.ir.program import Program, VarKind
+from fleetc.passes.base import PassReport
+from fleetc.passes.pipeline_parallel.auto import auto_partition
+from fleetc.passes.pipeline_parallel.partition import PipelinePlan, partition
+from fleetc.passes.pipeline_parallel.schedule import Schedule, build_schedule
+from fleetc.passes.pipeline_parallel.simulate import simulate
+from fleetc.passes.pipeline_parallel.stages import (
+    assign_stages,
+    has_stage_annotations,
+    is_optimize,
+)
+
+
+class PipelineSplit:
+    name = "pipeline_split"
+    enabled_by = "pipeline"
+    summary = "place ops on device_guard stages (or cut automatically), build per-stage Programs and the schedule"
+    reads: tuple[str, ...] = ("pipeline", "pipeline_configs.micro_batch_size", "pipeline_configs.accumulate_steps",
+                              "pipeline_configs.schedule_mode", "pipeline_configs.vpp_degree",
+                              "hybrid_configs.pp_degree")
+
+    def run(self, program: Program, config: Any) -> tuple[Program, PassReport]:
+        report = PassReport(self.name)
+        if program.metadata.get("kind") == "eval":
+            report.skipped_reason = "an evaluation Program runs whole (forward-only pipelining is not built yet)"
+            return program, report
+        if not any(is_optimize(op) for _, op in program.walk_ops()):
+            report.skipped_reason = ("no optimizer update in the Program: pipelining needs fleetc.compile(optimizer=...) "
+                                     "(without one, gradients go to p.grad and the Program runs whole)")
+            return program, report
+        pipe = config.pipeline_configs
+        annotated = has_stage_annotations(program)
+        with _as_pass_error():
+            stages = _pipeline_degree(config, config.hybrid_configs.pp_degree,
+                                      assign_stages(program).count if annotated else None)
+        if stages == 1:
+            report.skipped_reason = ("one stage: the model has no device_guard('stage:N') annotations and "
+                                     "hybrid_configs.pp_degree is 1")
+            return program, report
+        if not annotated:
+            report.notes.append(f"automatic cut into {stages} stages (hybrid_configs.pp_degree; no device_guard):")
+            report.notes += [f"  {estimate}" for estimate in auto_partition(program, stages)]
+        microbatches = pipe.accumulate_steps
+        _check_batch(program, pipe.micro_batch_size)
+        with _as_pass_error():
+            schedule = _schedule(pipe.schedule_mode, stages, microbatches, pipe.vpp_degree)
+        plan = partition(program, microbatches)
+        simulation = simulate(schedule)
+        _annotate(program, plan)
+        program.metadata["pipeline"] = {"stages": stages, "microbatches": microbatches,
+                                        "schedule_mode": pipe.schedule_mode, "vpp_degree": pipe.vpp_degree,
+                                        "bubble_fraction": round(simulation.bubble_fraction, 4)}
+        report.changed = True
+        report.stats.update(stages=stages, microbatches=microbatches, shared_params=len(plan.shared),
+                            boundary_values=sum(map(len, plan.activations)) + sum(map(len, plan.gradients)))
+        report.notes += plan.describe().splitlines()
+        report.notes += simulation.summary().splitlines()
+        if microbatches < schedule.ranks:
+            report.notes.append(f"accumulate_steps={microbatches} micro-batches for {schedule.ranks} pipeline ranks: "
+                                f"valid but wasteful (bubble fraction {simulation.bubble_fraction:.0%}); use at least "
+                                f"{schedule.ranks} micro-batches")
+        return program, report
+
+
+@contextlib.contextmanager
+def _as_pass_error() -> Iterator[None]:
+    """A StrategyError from the mesh or schedule rules, raised as the pass's own (the manager lets those through)."""
+    try:
+        yield
+    except PassStrategyError:
+        raise
+    except StrategyError as exc:
+        raise PassStrategyError(str(exc)) from None
+
+
+def _check_batch(program: Program, micro_batch_size: int) -> None:
+    """The Program is captured on one micro-batch: every fed batch must hold micro_batch_size samples."""
+    for name in program.feeds:
+        var = program.var(name)
+        if var.kind is VarKind.DATA and var.shape and isinstance(var.shape[0], int) \
+                and var.shape[0] != micro_batch_size:
+            raise PassStrategyError(f"input {name!r} of the captured micro-batch has batch size {var.shape[0]}, but "
+                                    f"pipeline_configs.micro_batch_size is {micro_batch_size}")
+
+
+def _schedule(mode: str, stages: int, microbatches: int, vpp: int) -> Schedule:
+    if stages % vpp:
+        raise PassStrategyError(f"pipeline_configs.vpp_degree={vpp} chunks per rank does not divide the model's "
+                                f"{stages} stages")
+    return build_schedule(mode, stages // vpp, microbatches, vpp)
+
+
+def _annotate(program: Program, plan: PipelinePlan) -> None:
+    """Write each op's stage into op_device (optimizer ops of parameters one stage holds included)."""
+    stage_map = assign_stages(program)
+    for op in program.global_block.ops:
+        if op.name in stage_map.stage:
+            op.attrs["op_device"] = f"stage:{stage_map.stage[op.name]}"
+        elif is_optimize(op):
+            holders = {s for stage in plan.stages for s in [stage.stage]
+                       if any(o.name == op.name for o in stage.phases["optimizer"].global_block.ops)}
+            if len(holders) == 1:
+                op.attrs["op_device"] = f"stage:{holders.pop()}"
+
+
+def pipeline_plan(program: Program) -> tuple[PipelinePlan, Schedule]:
+    """The plan and schedule of a Program the pipeline pass annotated."""
+    meta = program.metadata["pipeline"]
+    return (partition(program, meta["microbatches"]),
+            build_schedule(meta["schedule_mode"], meta["stages"] // meta["vpp_degree"], meta["microbatches"],
+                           meta["vpp_degree"]))
+
+
+def format_pipeline(program: Program) -> str:
+    """What `fleetc dump-ir --pipeline` appends: the schedule, its simulation, and every stage's Programs."""
+    if "pipeline" not in program.metadata:
+        return "# no pipeline split in this Program (strategy.pipeline off, or one stage)\n"
+    plan, schedule = pipeline_plan(program)
+    parts = [str(schedule), simulate(schedule).summary(), plan.describe(), *(str(stage) for stage in plan.stages)]
+    return "\n".join(parts) + "\n"

@@ -1,0 +1,234 @@
+"""Runs a PipelinePlan per a Schedule: every pipeline rank in one process (`LocalPipeline`, a thread per rank,
+messages handed over in memory), or one rank per process over torch.distributed (`DistributedPipeline`).
+
+Both execute exactly the per-stage Programs and per-rank action lists: a rank runs its actions in order; the
+schedule's send/recv actions are carried out by the `fleetc.pipeline_send/recv` ops inside the stage Programs; the
+optimizer action runs the optimizer Program of each of the rank's chunks on the gradients summed over the
+micro-batches. Comparing `LocalPipeline` with eager PyTorch checks the partition and the schedules with no
+processes.
+
+A parameter several chunks hold (tied embeddings) is one tensor in the model. Within one process the lowest
+holding chunk uses it and every other holder a copy made on the first step and kept, as separate processes would
+each hold one; every copy gets the same update, so they stay equal (`replica_drift()` measures that).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from torch import nn
+
+from fleetc.comm.p2p import DistributedChannel, LocalChannel, LocalMailbox, use_channel
+from fleetc.comm.plan import check_ranks_agree
+from fleetc.errors import StrategyError
+from fleetc.ir.program import Program
+from fleetc.passes.pipeline_parallel.partition import PipelinePlan
+from fleetc.passes.pipeline_parallel.schedule import (
+    COMPUTE_KINDS,
+    OPTIMIZER,
+    Action,
+    Schedule,
+)
+from fleetc.runtime.executor import Executable
+from fleetc.runtime.hyperparameters import HyperparameterFeeds
+from fleetc.runtime.state import StateBinding
+
+
+class PipelineExecutor:
+    """The pipeline ranks `ranks_here` of a plan: their chunks' Executables and state, and one step's work."""
+
+    def __init__(self, program: Program, plan: PipelinePlan, schedule: Schedule, model: nn.Module,
+                 optimizer: torch.optim.Optimizer, ranks_here: list[int], *, cpu_kernels: str | None = "off",
+                 counters: dict[str, torch.Tensor] | None = None):
+        if schedule.stages != len(plan.stages):
+            raise StrategyError(f"the schedule has {schedule.stages} chunks but the model has {len(plan.stages)} "
+                                "device_guard stages")
+        self.plan, self.schedule, self.ranks_here = plan, schedule, ranks_here
+        self.binding = StateBinding(program, model, optimizer, {} if counters is None else counters)
+        self.hyper = HyperparameterFeeds(program, model, optimizer)
+        self.hyper_names = [spec["var"] for spec in program.metadata.get("optimizer", {}).get("feeds", [])]
+        self.data_names = [n for n in program.feeds if n not in self.hyper_names]
+        self.chunks = [s for s in range(schedule.stages) if schedule.rank_of(s) in ranks_here]
+        self.executables = {s: {phase: Executable(p, cpu_kernels=cpu_kernels)
+                                for phase, p in plan.stages[s].phases.items()} for s in self.chunks}
+        self.holders: dict[str, list[int]] = {}
+        for s in self.chunks:
+            for p in plan.stages[s].phases.values():
+                for var in p.persistables():
+                    if s not in self.holders.setdefault(var.name, []):
+                        self.holders[var.name].append(s)
+        self.copies: dict[tuple[int, str], torch.Tensor] = {}
+
+    def _chunk_state(self, resolved: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
+        states: dict[int, dict[str, torch.Tensor]] = {s: {} for s in self.chunks}
+        for name, holders in self.holders.items():
+            states[holders[0]][name] = resolved[name]
+            for s in holders[1:]:
+                if (s, name) not in self.copies:
+                    self.copies[(s, name)] = resolved[name].detach().clone()
+                states[s][name] = self.copies[(s, name)]
+        return states
+
+    def replica_drift(self) -> float:
+        """The largest difference between a copy of a shared persistable and the model's own tensor."""
+        resolved = self.binding.resolve()
+        return max((float((copy - resolved[name].detach()).abs().max()) for (_, name), copy in self.copies.items()),
+                   default=0.0)
+
+    def _microbatches(self, args: tuple) -> list[dict[str, torch.Tensor]]:
+        m = self.schedule.microbatches
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if len(tensors) != len(self.data_names):
+            raise StrategyError(f"the pipeline step takes {len(self.data_names)} tensor(s) "
+                                f"({', '.join(self.data_names)}), got {len(tensors)}")
+        for name, t in zip(self.data_names, tensors):
+            if t.dim() == 0 or t.shape[0] % m:
+                raise StrategyError(f"input {name!r} has batch size {t.shape[0] if t.dim() else 0}, which does not "
+                                    f"divide into pipeline_configs.accumulate_steps={m} micro-batches")
+        chunks = [t.chunk(m) for t in tensors]
+        return [{name: c[i] for name, c in zip(self.data_names, chunks)} for i in range(m)]
+
+    def _prepare(self, args: tuple) -> _Step:
+        batches = self._microbatches(args)
+        hyper = dict(zip(self.hyper_names, self.hyper.values()))
+        return _Step(self._chunk_state(self.binding.resolve()), hyper,
+                     {(s, i): dict(batches[i]) for s in self.chunks for i in range(len(batches))},
+                     {s: {} for s in self.chunks}, {})
+
+    def _run_rank(self, rank: int, channel: Any, step: _Step) -> None:
+        with use_channel(channel):
+            for action in self.schedule.actions[rank]:
+                if action.kind in COMPUTE_KINDS:
+                    self._compute(action, channel, step)
+                elif action.kind == OPTIMIZER:
+                    for s in range(rank, self.schedule.stages, self.schedule.ranks):
+                        channel.stage, channel.microbatch = s, -1
+                        exe = self.executables[s]["optimizer"]
+                        values = {**step.hyper, **step.sums[s]}
+                        exe.run(step.states[s], [values[n] for n in exe.program.feeds])
+
+    def _compute(self, action: Action, channel: Any, step: _Step) -> None:
+        s, mb = action.stage, action.microbatch
+        channel.stage, channel.microbatch = s, mb
+        exe = self.executables[s][action.kind]
+        values = step.env[(s, mb)]
+        out = exe.run(step.states[s], [values[n] for n in exe.program.feeds])
+        for key, value in out.items():
+            if key == "loss":
+                step.losses[mb] = value
+                values[exe.program.fetches["loss"]] = value
+            elif key.startswith("grad:"):
+                name = key[5:]
+                step.sums[s][name] = value if name not in step.sums[s] else step.sums[s][name] + value
+            else:
+                values[key] = value
+
+
+class _Step:
+    """One step's working set: per-chunk state, hyperparameters, per-(chunk, micro-batch) values, gradient sums
+    per chunk, and the last stage's micro-batch losses."""
+
+    def __init__(self, states: dict, hyper: dict, env: dict, sums: dict, losses: dict):
+        self.states, self.hyper, self.env, self.sums, self.losses = states, hyper, env, sums, losses
+
+
+class LocalPipeline(PipelineExecutor):
+    """Every pipeline rank in this process, a thread each; `step(*batch)` returns the mean micro-batch loss."""
+
+    def __init__(self, program: Program, plan: PipelinePlan, schedule: Schedule, model: nn.Module,
+                 optimizer: torch.optim.Optimizer, *, timeout_s: float = 60.0, cpu_kernels: str | None = "off",
+                 counters: dict[str, torch.Tensor] | None = None):
+        super().__init__(program, plan, schedule, model, optimizer, list(range(schedule.ranks)),
+                         cpu_kernels=cpu_kernels, counters=counters)
+        self.timeout_s = timeout_s
+
+    def step(self, *args: Any) -> torch.Tensor:
+        step = self._prepare(args)
+        mailbox = LocalMailbox(self.timeout_s)
+        errors: list[BaseException] = []
+
+        def run(rank: int) -> None:
+            try:
+                self._run_rank(rank, LocalChannel(mailbox, rank), step)
+            except BaseException as exc:  # noqa: BLE001  (re-raised in the calling thread)
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(r,), name=f"pipeline-rank-{r}") for r in self.ranks_here]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return torch.stack([step.losses[i] for i in range(self.schedule.microbatches)]).mean()
+
+
+class DistributedPipeline(PipelineExecutor):
+    """This process's pipeline rank (its torch.distributed rank; the job holds exactly the pipeline ranks). Every
+    rank calls `step` with the same batch; every rank returns the same loss, broadcast from the last stage."""
+
+    def __init__(self, program: Program, plan: PipelinePlan, schedule: Schedule, model: nn.Module,
+                 optimizer: torch.optim.Optimizer, *, timeout_s: float = 60.0, cpu_kernels: str | None = "off",
+                 counters: dict[str, torch.Tensor] | None = None):
+        import torch.distributed as dist
+
+        if dist.get_world_size() != schedule.ranks:
+            raise StrategyError(f"the pipeline has {schedule.ranks} ranks but the job has {dist.get_world_size()} "
+                                "processes (pipeline with data parallel is not built yet)")
+        super().__init__(program, plan, schedule, model, optimizer, [dist.get_rank()], cpu_kernels=cpu_kernels,
+                         counters=counters)
+        self.timeout_s = timeout_s
+        self.checked = False
+        self.last_wait_s = 0.0  # of the last step: time blocked on P2P (what bench/pipeline.py reports as idle)
+
+    def step(self, *args: Any) -> torch.Tensor:
+        import torch.distributed as dist
+
+        if not self.checked:  # a rank with another plan would wait on messages nobody sends
+            check_ranks_agree("pipeline plan check (hash exchange before the first step)",
+                              {"the pipeline schedule": str(self.schedule).splitlines(),
+                               "the stage split": self.plan.describe().splitlines()},
+                              "Every rank must compile the same model, strategy and micro-batch shapes.")
+            self.checked = True
+        step = self._prepare(args)
+        rank = self.ranks_here[0]
+        channel = DistributedChannel(self.schedule.rank_of, self.timeout_s)
+        self._run_rank(rank, channel, step)
+        channel.finish()
+        self.last_wait_s = channel.waited_s
+        last = self.schedule.rank_of(self.schedule.stages - 1)
+        loss = (torch.stack([step.losses[i] for i in range(self.schedule.microbatches)]).mean() if rank == last
+                else torch.zeros(()))
+        dist.broadcast(loss, src=last)
+        return loss
+
+
+def first_microbatch(args: tuple, kwargs: dict, micro_batch_size: int, microbatches: int) -> tuple[tuple, dict]:
+    """The step's arguments cut to their first micro-batch (what the pipeline captures), after checking that every
+    tensor holds micro_batch_size × accumulate_steps samples (Paddle's rule)."""
+    def cut(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        batch = value.shape[0] if value.dim() else 0
+        if batch % microbatches:
+            raise StrategyError(f"an input has batch size {batch}, which does not divide into "
+                                f"pipeline_configs.accumulate_steps={microbatches} micro-batches")
+        if batch != micro_batch_size * microbatches:
+            raise StrategyError(f"an input has batch size {batch}, but pipeline_configs.micro_batch_size × "
+                                f"accumulate_steps = {micro_batch_size} × {microbatches} = "
+                                f"{micro_batch_size * microbatches}: one step() takes exactly that many samples")
+        return value[:micro_batch_size]
+
+    return tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}
+
+
+def make_pipeline(program: Program, model: nn.Module, optimizer: torch.optim.Optimizer,
+                  counters: dict[str, torch.Tensor], cpu_kernels: str | None) -> PipelineExecutor:
+    """The executor `step()` uses for a Program the pipeline pass planned: every pipeline rank in this process.
+    (Under torch.distributed the data-parallel passes put collectives in the Program first, which the split
+    refuses; wiring the mesh's pp axis into them is what `DistributedPipeline` in `step()` waits for.)"""
+    from fleetc.passes.pipeline_parallel.split import pipeline_plan
+
+    plan, schedule = pipeline_plan(program)
+    return LocalPipeline(program, plan, schedule, model, optimizer, cpu_kernels=cpu_kernels, counters=counters)

@@ -1,0 +1,88 @@
+"""Worker bodies of the multi-process pipeline tests (`python -m fleet.pipeline_workers NAME ARGS OUT_DIR`)."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from helpers.pipeline import STAGED
+from zoo import OPTIMIZERS, ZOO
+
+from fleetc import CollectiveError
+from fleetc.capture import capture_train_program
+from fleetc.passes.pipeline_parallel.partition import partition
+from fleetc.passes.pipeline_parallel.schedule import build_schedule
+from fleetc.runtime.pipeline_local import DistributedPipeline
+
+
+def _pipeline(rank: int, args: dict) -> tuple:
+    make, optimizer_name = STAGED[args["model"]]
+    torch.manual_seed(0)
+    model = make(dist.get_world_size())
+    optimizer = OPTIMIZERS[optimizer_name](model.parameters())
+    batch, _ = ZOO[args["model"]].make_batch(torch.Generator().manual_seed(0))
+    micro = tuple(a.chunk(args["microbatches"])[0] for a in batch)
+    program = capture_train_program(model, ZOO[args["model"]].loss_fn, optimizer, micro, {})
+    plan = partition(program, args["microbatches"])
+    schedule = build_schedule(args["mode"], dist.get_world_size(), args["microbatches"])
+    pipe = DistributedPipeline(program, plan, schedule, model, optimizer, timeout_s=args.get("timeout_s", 30.0))
+    return model, plan, pipe
+
+
+def train(rank: int, args: dict, out_dir: str) -> None:
+    """Steps on the same batches on every rank; saves the losses and this rank's stage parameters."""
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    model, plan, pipe = _pipeline(rank, args)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(args["steps"]):
+        batch, _ = ZOO[args["model"]].make_batch(g)
+        losses.append(float(pipe.step(*batch)))
+    named = dict(model.named_parameters())
+    torch.save({"losses": losses, "params": {n: named[n].detach() for n in plan.stages[rank].params}},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def disagreeing_plans(rank: int, args: dict, out_dir: str) -> None:
+    """Rank 1 builds another schedule: both ranks must refuse before the first message."""
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    _, _, pipe = _pipeline(rank, {**args, "mode": args["mode"] if rank == 0 else "FThenB"})
+    batch, _ = ZOO[args["model"]].make_batch(torch.Generator().manual_seed(1))
+    try:
+        pipe.step(*batch)
+        outcome = "completed"
+    except CollectiveError as exc:
+        outcome = str(exc)
+    torch.save({"outcome": outcome}, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def dead_stage(rank: int, args: dict, out_dir: str) -> None:
+    """After one good step rank 1 dies (or hangs); rank 0's next step must fail with a CollectiveError, not hang."""
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    _, _, pipe = _pipeline(rank, {**args, "timeout_s": 5.0})
+    batch, _ = ZOO[args["model"]].make_batch(torch.Generator().manual_seed(1))
+    pipe.step(*batch)   # one good step: the plan check and the first messages pass
+    if rank == 1:
+        if args["fault"] == "kill":
+            os._exit(3)
+        import time
+        time.sleep(15)
+        os._exit(0)
+    try:
+        pipe.step(*batch)
+        outcome = "completed"
+    except CollectiveError as exc:
+        outcome = str(exc)
+    torch.save({"outcome": outcome}, os.path.join(out_dir, f"rank{rank}.pt"))
+    os._exit(0)  # the process group is broken; skip its teardown
+
+
+if __name__ == "__main__":
+    name, args, out_dir = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+    globals()[name](int(os.environ["RANK"]), args, out_dir)

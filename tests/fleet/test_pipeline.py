@@ -1,0 +1,67 @@
+"""Pipeline parallelism on 2 processes over gloo P2P: every schedule matches eager accumulation; a dead or hung
+stage gives the surviving rank a CollectiveError within the timeout."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from helpers.pipeline import STAGED, eager_accumulating_step
+from zoo import OPTIMIZERS, ZOO
+
+from fleet.spawn import spawn
+
+pytestmark = pytest.mark.slow  # CI still runs them
+
+STEPS, MICROBATCHES = 2, 4
+
+
+def _reference(zoo_name: str) -> tuple[list[float], dict]:
+    make, optimizer_name = STAGED[zoo_name]
+    torch.manual_seed(0)
+    model = make(2)
+    optimizer = OPTIMIZERS[optimizer_name](model.parameters())
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(STEPS):
+        batch, _ = ZOO[zoo_name].make_batch(g)
+        losses.append(eager_accumulating_step(model, optimizer, ZOO[zoo_name].loss_fn, batch, MICROBATCHES))
+    return losses, {n: p.detach() for n, p in model.named_parameters()}
+
+
+MODES = ["1F1B", "ZBH1"] + (["FThenB"] if os.environ.get("FLEETC_FULL") else [])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_two_stage_gpt_over_gloo_matches_eager(mode, tmp_path):
+    results = spawn(2, "train", {"model": "gpt", "mode": mode, "microbatches": MICROBATCHES, "steps": STEPS},
+                    tmp_path, deadline_s=150, module="fleet.pipeline_workers")
+    for r in results:
+        assert r.returncode == 0, r.output[-3000:]
+    losses, params = _reference("gpt")
+    held = set()
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r.result["losses"]), torch.tensor(losses))  # same loss on every rank
+        for name, value in r.result["params"].items():
+            torch.testing.assert_close(value, params[name],
+                                       msg=lambda m, name=name, rank=r.rank: f"rank {rank} {name}: {m}")
+            held.add(name)
+    assert held == set(params)                                       # every parameter is some stage's
+    assert "tok.weight" in results[0].result["params"] and "tok.weight" in results[1].result["params"]  # tied
+
+
+@pytest.mark.parametrize("fault", ["kill", "hang"])
+def test_dead_or_hung_stage_is_an_error_on_the_survivor(fault, tmp_path):
+    results = spawn(2, "dead_stage", {"model": "gpt", "mode": "1F1B", "microbatches": MICROBATCHES, "fault": fault},
+                    tmp_path, deadline_s=90, module="fleet.pipeline_workers")
+    survivor = results[0]
+    assert survivor.returncode == 0, survivor.output[-3000:]
+    assert "pipeline stage 0" in survivor.result["outcome"] and "stage 1 (rank 1)" in survivor.result["outcome"]
+
+
+def test_ranks_with_different_plans_refuse_before_the_first_message(tmp_path):
+    results = spawn(2, "disagreeing_plans", {"model": "gpt", "mode": "1F1B", "microbatches": MICROBATCHES},
+                    tmp_path, deadline_s=90, module="fleet.pipeline_workers")
+    for r in results:
+        assert r.returncode == 0, r.output[-3000:]
+        assert r.result["outcome"].startswith("ranks disagree on the pipeline schedule: rank(s) [1] differ from rank 0")

@@ -1,0 +1,90 @@
+"""Pipeline test helpers: the zoo's GPT and CNN cut into device_guard stages, and the pipelined run beside eager
+PyTorch accumulating over the same micro-batches."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from zoo import OPTIMIZERS, ZOO, SmallCNN, TinyGPT
+
+import fleetc
+from fleetc.capture import capture_train_program
+from fleetc.ir.verifier import verify
+from fleetc.passes.pipeline_parallel.partition import partition
+from fleetc.passes.pipeline_parallel.schedule import build_schedule
+from fleetc.runtime.pipeline_local import LocalPipeline
+
+
+def _stage(segment: int, segments: int, stages: int) -> str:
+    return f"stage:{segment * stages // segments}"
+
+
+class StagedGPT(TinyGPT):
+    """TinyGPT (tied embeddings, dropout off) in four segments, spread over `stages` stages."""
+
+    def __init__(self, stages: int):
+        super().__init__(dropout=0.0)
+        self.stages = stages
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        with fleetc.device_guard(_stage(0, 4, self.stages)):
+            positions = torch.arange(idx.shape[1], device=idx.device)
+            x = self.drop(self.tok(idx) + self.pos(positions))
+        for i, layer in enumerate(self.layers):
+            with fleetc.device_guard(_stage(1 + i, 4, self.stages)):
+                x = layer(x)
+        with fleetc.device_guard(_stage(3, 4, self.stages)):
+            return self.lm_head(self.ln_f(x))
+
+
+class StagedCNN(SmallCNN):
+    """SmallCNN (BatchNorm, residual blocks) in four segments, spread over `stages` stages."""
+
+    def __init__(self, stages: int):
+        super().__init__()
+        self.stages = stages
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with fleetc.device_guard(_stage(0, 4, self.stages)):
+            h = F.relu(self.bn(self.stem(x)))
+        for i, block in enumerate(self.blocks):
+            with fleetc.device_guard(_stage(1 + i, 4, self.stages)):
+                h = block(h)
+        with fleetc.device_guard(_stage(3, 4, self.stages)):
+            return self.head(h.mean(dim=(2, 3)))
+
+
+STAGED = {"gpt": (StagedGPT, "adam"), "cnn": (StagedCNN, "momentum")}
+
+
+def pipelined(zoo_name: str, mode: str, ranks: int, microbatches: int, vpp: int = 1):
+    """(model, LocalPipeline, eager copy, eager optimizer) for a zoo model cut into ranks·vpp stages."""
+    make, optimizer_name = STAGED[zoo_name]
+    torch.manual_seed(0)
+    model = make(ranks * vpp)
+    reference = copy.deepcopy(model)
+    optimizer = OPTIMIZERS[optimizer_name](model.parameters())
+    reference_optimizer = OPTIMIZERS[optimizer_name](reference.parameters())
+    args, _ = ZOO[zoo_name].make_batch(torch.Generator().manual_seed(0))
+    micro = tuple(a.chunk(microbatches)[0] for a in args)
+    program = capture_train_program(model, ZOO[zoo_name].loss_fn, optimizer, micro, {})
+    plan = partition(program, microbatches)
+    for stage in plan.stages:
+        for phase in stage.phases.values():
+            verify(phase, after_pass="pipeline partition")
+    pipe = LocalPipeline(program, plan, build_schedule(mode, ranks, microbatches, vpp), model, optimizer)
+    return model, pipe, reference, reference_optimizer
+
+
+def eager_accumulating_step(model, optimizer, loss_fn, args: tuple, microbatches: int) -> float:
+    """The reference: one update on the gradients of the mean micro-batch loss (each micro-batch on its own, so
+    BatchNorm sees each micro-batch's statistics)."""
+    total = 0.0
+    for micro in zip(*(a.chunk(microbatches) for a in args)):
+        loss = loss_fn(model(micro[0]), micro[1]) / microbatches
+        loss.backward()
+        total += loss.item()
+    optimizer.step()
+    optimizer.zero_grad()
+    return total

@@ -1,0 +1,194 @@
+"""The pipeline pass in fleetc.compile: stage placement, validation errors that name the problem, the automatic
+cut, report lines and `dump-ir --pipeline`."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers.pipeline import StagedGPT, eager_accumulating_step
+from torch import nn
+from zoo import OPTIMIZERS, ZOO
+
+import fleetc
+from fleetc.cli import main
+from fleetc.errors import PassError, StrategyError
+
+
+def _strategy(accumulate_steps: int = 2, micro_batch_size: int = 2, **extra) -> fleetc.DistributedStrategy:
+    strategy = fleetc.DistributedStrategy()
+    strategy.pipeline = True
+    strategy.pipeline_configs = {"micro_batch_size": micro_batch_size, "accumulate_steps": accumulate_steps, **extra}
+    return strategy
+
+
+class Guarded(nn.Module):
+    """Two linear layers on the stages `order` names (in forward order)."""
+
+    def __init__(self, order=(0, 1)):
+        super().__init__()
+        self.a, self.b, self.order = nn.Linear(4, 8), nn.Linear(8, 3), order
+
+    def forward(self, x):
+        with fleetc.device_guard(f"stage:{self.order[0]}"):
+            h = F.relu(self.a(x))
+        with fleetc.device_guard(f"stage:{self.order[1]}"):
+            return self.b(h)
+
+
+def _compile_step(model, strategy, batch: int = 4):
+    trainer = fleetc.compile(model, strategy, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             loss_fn=F.cross_entropy, verify=True)
+    loss = trainer.step(torch.randn(batch, 4), torch.randint(0, 3, (batch,)))
+    return trainer, loss
+
+
+def test_pass_annotates_every_op_and_reports_the_plan():
+    trainer, _ = _compile_step(Guarded(), _strategy())
+    report = trainer.report()
+    assert "pipeline_split" in report.applied
+    assert report.stats["pipeline_split"] == {"stages": 2, "microbatches": 2, "shared_params": 0,
+                                              "boundary_values": 2}
+    notes = "\n".join(report.notes["pipeline_split"])
+    assert "stage 0: " in notes and "sends relu forward" in notes and "1F1B: step 9 time units" in notes
+    assert "pipeline" not in report.skipped
+    program = trainer.program
+    devices = {op.attrs.get("op_device") for op in program.global_block.ops if op.role & 3}
+    assert devices == {"stage:0", "stage:1"}   # the loss ops too, placed by data flow on the last stage
+    assert program.metadata["pipeline"]["bubble_fraction"] == pytest.approx(1 / 3, abs=1e-4)
+
+
+def test_fewer_microbatches_than_stages_is_valid_but_reported():
+    trainer, _ = _compile_step(Guarded(), _strategy(accumulate_steps=1, micro_batch_size=4))
+    assert any("valid but wasteful" in n for n in trainer.report().notes["pipeline_split"])
+
+
+def test_stages_out_of_order_name_the_op():
+    with pytest.raises(PassError, match=r"is on pipeline stage 0 but .*stage 1.*entered in increasing order"):
+        _compile_step(Guarded(order=(1, 0)), _strategy())
+
+
+def test_a_stage_with_no_ops_is_named():
+    with pytest.raises(PassError, match="pipeline stage 1 has no ops: device_guard uses stages 0, 2"):
+        _compile_step(Guarded(order=(0, 2)), _strategy())
+
+
+def test_batch_that_does_not_divide_into_microbatches():
+    with pytest.raises(StrategyError, match=r"batch size 5, which does not divide into "
+                                            r"pipeline_configs.accumulate_steps=2"):
+        _compile_step(Guarded(), _strategy(), batch=5)
+    with pytest.raises(StrategyError, match=r"micro_batch_size × accumulate_steps = 2 × 2 = 4"):
+        _compile_step(Guarded(), _strategy(), batch=6)
+
+
+def test_stage_count_and_pp_degree_must_agree():
+    strategy = _strategy()
+    strategy.hybrid_configs = {"pp_degree": 3}
+    with pytest.raises(StrategyError, match="pp_degree is 3 but the model's device_guard marks 2 stages"):
+        _compile_step(Guarded(), strategy)
+
+
+def test_vpp_needs_chunks_that_divide_the_stages():
+    with pytest.raises(StrategyError, match="vpp_degree=2 chunks per rank does not divide the model's 3 stages"):
+        class Three(Guarded):
+            def forward(self, x):
+                with fleetc.device_guard("stage:0"):
+                    h = self.a(x)
+                with fleetc.device_guard("stage:1"):
+                    h = F.relu(h)
+                with fleetc.device_guard("stage:2"):
+                    return self.b(h)
+        _compile_step(Three(), _strategy(schedule_mode="VPP", vpp_degree=2))
+
+
+def test_automatic_cut_balances_cost_and_prints_it():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)], nn.Linear(16, 3))
+    strategy = _strategy(accumulate_steps=2, micro_batch_size=2)
+    strategy.hybrid_configs = {"pp_degree": 2}
+    trainer = fleetc.compile(model, strategy, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             loss_fn=F.cross_entropy, verify=True)
+    trainer.step(torch.randn(4, 16), torch.randint(0, 3, (4,)))
+    notes = trainer.report().notes["pipeline_split"]
+    assert notes[0] == "automatic cut into 2 stages (hybrid_configs.pp_degree; no device_guard):"
+    assert notes[1].startswith("  stage 0: ops ") and "MiB parameters" in notes[1]
+    stage_of = {op.name: op.attrs["op_device"] for op in trainer.program.global_block.ops
+                if op.type == "aten.addmm.default"}
+    assert sorted(stage_of.values()) == ["stage:0"] * 3 + ["stage:1"] * 2 or \
+        sorted(stage_of.values()) == ["stage:0"] * 2 + ["stage:1"] * 3
+
+
+def test_eval_program_is_left_whole_with_a_reason():
+    trainer, _ = _compile_step(Guarded(), _strategy())
+    trainer(torch.randn(4, 4))
+    assert trainer.eval_program.metadata.get("pipeline") is None
+
+
+def test_dump_ir_pipeline_prints_the_schedule_and_stage_programs(capsys):
+    assert main(["dump-ir", "cli_factories:mlp_pipeline", "--verify", "--pipeline"]) == 0
+    out = capsys.readouterr().out
+    assert "schedule ZBH1: 2 rank(s), 4 micro-batch(es)" in out
+    assert "ZBH1: step " in out and "bubble fraction" in out
+    assert "-- stage 1 forward --" in out and "fleetc.pipeline_recv(0, 'activation'" in out
+    assert "-- stage 0 optimizer --" in out
+
+
+@pytest.mark.parametrize("mode", ["ZBH1", "VPP"])
+def test_compiled_step_runs_pipelined_and_matches_eager_accumulation(mode):
+    """strategy.pipeline through fleetc.compile: step() runs the stage Programs per the schedule."""
+    vpp = 2 if mode == "VPP" else 1
+    torch.manual_seed(0)
+    model = StagedGPT(2 * vpp)
+    reference = copy.deepcopy(model)
+    trainer = fleetc.compile(model, _strategy(accumulate_steps=2, micro_batch_size=2, schedule_mode=mode,
+                                              vpp_degree=vpp),
+                             optimizer=OPTIMIZERS["adam"](model.parameters()), loss_fn=ZOO["gpt"].loss_fn, verify=True)
+    reference_optimizer = OPTIMIZERS["adam"](reference.parameters())
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        args, _ = ZOO["gpt"].make_batch(g)
+        loss = trainer.step(*args)
+        expected = eager_accumulating_step(reference, reference_optimizer, ZOO["gpt"].loss_fn, args, 2)
+        torch.testing.assert_close(loss, torch.tensor(expected))
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, msg=lambda m, name=name: f"{name}: {m}")
+    assert "pipeline" not in trainer.report().skipped
+
+
+class Skip(nn.Module):
+    """Stage 2 reads a value of stage 0 (a skip connection): it must be relayed through stage 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        with fleetc.device_guard("stage:0"):
+            h = torch.tanh(self.a(x))
+        with fleetc.device_guard("stage:1"):
+            g = torch.tanh(self.b(h))
+        with fleetc.device_guard("stage:2"):
+            return self.c(g + h)
+
+
+@pytest.mark.parametrize("mode", ["FThenB", "1F1B", "ZBH1"])
+def test_skip_connection_across_stages_is_relayed(mode):
+    torch.manual_seed(0)
+    model = Skip()
+    reference = copy.deepcopy(model)
+    trainer = fleetc.compile(model, _strategy(accumulate_steps=3, micro_batch_size=2, schedule_mode=mode),
+                             optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                             loss_fn=F.cross_entropy, verify=True)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(6, 4, generator=g), torch.randint(0, 3, (6,), generator=g)
+        loss = trainer.step(x, y)
+        expected = eager_accumulating_step(reference, reference_optimizer, F.cross_entropy, (x, y), 3)
+        torch.testing.assert_close(loss, torch.tensor(expected))
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, msg=lambda m, name=name: f"{name}: {m}")
+    notes = trainer.report().notes["pipeline_split"]
+    relay = next(n for n in notes if n.startswith("  stage 1:"))
+    assert "tanh" in relay and "sends" in relay   # stage 1 forwards stage 0's h along with its own g
