@@ -91,7 +91,8 @@ class DataParallelTrainer(CompiledTrainer):
             broadcast_state(model)
 
     def _optimize(self, program: Program, capture_seconds: float) -> tuple[Program, History, CompileReport]:
-        program.metadata["data_parallel"] = {"world_size": self.world_size}
+        # the ranks that hold the same stage average gradients; pipeline stages are the other ranks
+        program.metadata["data_parallel"] = {"world_size": self.world_size // self.mesh.pp}
         if self.config.sharding and self.world_size > 1:
             program.metadata["sharding"] = sharding_metadata(self.mesh, env.rank())
         return super()._optimize(program, capture_seconds)

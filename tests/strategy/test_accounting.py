@@ -18,11 +18,13 @@ from zoo import OPTIMIZERS, ZOO
 import fleetc
 from fleetc.comm.mesh import resolve_mesh
 from fleetc.errors import FleetcError
+from fleetc.fleet.trainer import sharding_metadata
 from fleetc.ir.liveness import estimate_memory
 from fleetc.ir.program import Program
 from fleetc.passes.base import PassReport
 from fleetc.passes.manager import History, PassManager, PassRecord
 from fleetc.passes.order import ordered_passes, strategy_requests_without_pass
+from fleetc.runtime.execution import ExecutionPlan
 from fleetc.strategy import resolve_conflicts, resolve_strategy
 from fleetc.strategy.distributed import DISTRIBUTED_SCHEMA
 
@@ -32,7 +34,8 @@ AS_ASKED = {
 }
 
 # Values where the table's generic sample is the default's effective value (None means bfloat16 on CPU).
-SAMPLES = {"amp_configs.dtype": "float16", "recompute_configs.checkpoints": ["fc1"]}
+SAMPLES = {"amp_configs.dtype": "float16", "recompute_configs.checkpoints": ["fc1"],
+           "sharding_configs.segment_broadcast_MB": 0.001}  # small enough to split the mlp's gathers
 
 # Switch-like settings a field only matters under, beyond its own section's switch.
 CONTEXT = {
@@ -41,6 +44,8 @@ CONTEXT = {
     "amp_configs.use_fp16_guard": {"amp_configs.use_pure_fp16": True},
     "last_comm_group_size_MB": {"fuse_grad_size_in_MB": 1},
     "hierarchical_allreduce_inter_nranks": {"use_hierarchical_allreduce": True},
+    # the mlp has no device_guard stages: cut it in two; the captured batch (16 samples) is one micro-batch
+    "pipeline_configs": {"hybrid_configs.pp_degree": 2, "pipeline_configs.micro_batch_size": 16},
 }
 
 
@@ -75,12 +80,14 @@ def _strategy(path: str, value: Any = None) -> fleetc.DistributedStrategy:
 
 def _outcome(strategy: fleetc.DistributedStrategy, optimizer: str) -> tuple:
     """Everything a compile shows for `strategy`: the final Program, each pass's report, the decisions, the
-    'not applied' lines and the two-rank mesh notes, or the error it stops with."""
+    'not applied' lines, the two-rank mesh notes and how the runtime runs the steps, or the error it stops with."""
     try:
         config, decisions = resolve_conflicts(resolve_strategy(strategy))
-        _, mesh_notes = resolve_mesh(config, 2)
+        mesh, mesh_notes = resolve_mesh(config, 2)
         program = _captured(optimizer).clone()
-        program.metadata["data_parallel"] = {"world_size": 2}
+        program.metadata["data_parallel"] = {"world_size": 2 // mesh.pp}  # as the Fleet trainer stamps it
+        if config.sharding:  # what the Fleet trainer stamps on rank 0 of two
+            program.metadata["sharding"] = sharding_metadata(mesh, 0)
         history = History([PassRecord("start", program, PassReport("start"), 0.0, estimate_memory(program))])
         passes = [p for p in ordered_passes(config) if p.name != "remove_noop_views"]
         final = PassManager(passes).run(program, config, history)
@@ -88,7 +95,8 @@ def _outcome(strategy: fleetc.DistributedStrategy, optimizer: str) -> tuple:
         return ("error", f"{type(exc).__name__}: {exc}")
     reports = [(r.name, r.report.changed, r.report.skipped_reason, tuple(r.report.notes), sorted(r.report.stats.items()))
                for r in history[1:]]
-    return (str(final), reports, [str(d) for d in decisions], strategy_requests_without_pass(config), mesh_notes)
+    return (str(final), reports, [str(d) for d in decisions], strategy_requests_without_pass(config), mesh_notes,
+            ExecutionPlan.from_config(config).lines())
 
 
 def _optimizer_for(path: str) -> str:
