@@ -38,9 +38,9 @@ def resolve_conflicts(cfg: StrategyConfig) -> tuple[StrategyConfig, tuple[Decisi
        the user can pick one.
     2. localsgd and adaptive_localsgd both on: localsgd is switched off; the adaptive variant is
        the same scheme with a tuned interval (Paddle black-lists the pair).
-    3. gradient_merge is never dropped because of pipeline: pipeline partitioning is not applied yet
-       (it is reported as not applied), so switching gradient merge off would update every step.
-       The final rule for the two together belongs with the pipeline pass.
+    3. gradient_merge (k_steps > 1) with pipeline: StrategyError. The rule for the pair is that
+       k_steps multiplies the update interval (docs/pipeline.md), and it is not built yet; dropping
+       either switch would silently update at another interval than the one asked for.
     4. gradient_merge with gradient_merge_configs.k_steps == 1: switched off; merging a single
        step is a plain step (Paddle does not apply it either).
     5. recompute with no checkpoints and no memory_budget_mb: switched off; there is nowhere to cut
@@ -61,6 +61,10 @@ def resolve_conflicts(cfg: StrategyConfig) -> tuple[StrategyConfig, tuple[Decisi
         changes[field] = False
         decisions.append(Decision(field, "switched off", reason))
 
+    if cfg.gradient_merge and cfg.pipeline and cfg.gradient_merge_configs.k_steps > 1:
+        raise StrategyError("gradient_merge with pipeline is not supported yet: one update every k_steps × "
+                            "pipeline_configs.accumulate_steps micro-batches is the rule (docs/pipeline.md), but it "
+                            "is not built; raise pipeline_configs.accumulate_steps instead, or switch one of them off")
     if cfg.localsgd and cfg.adaptive_localsgd:
         switch_off("localsgd", "adaptive_localsgd is on, and it is local SGD with an adapted interval")
     if cfg.gradient_merge and cfg.gradient_merge_configs.k_steps == 1:
@@ -68,9 +72,12 @@ def resolve_conflicts(cfg: StrategyConfig) -> tuple[StrategyConfig, tuple[Decisi
     if cfg.recompute and cfg.recompute_configs.checkpoints == () and cfg.recompute_configs.memory_budget_mb is None:
         switch_off("recompute", "recompute_configs.checkpoints is empty; give checkpoint names, 'auto' "
                    "or memory_budget_mb")
-    if cfg.a_sync and "a_sync" in cfg.explicit_fields:
+    a_sync_keys = sorted(path.removeprefix("a_sync_configs.") for path in cfg.explicit_fields
+                         if path.startswith("a_sync_configs."))
+    if cfg.a_sync and ("a_sync" in cfg.explicit_fields or a_sync_keys):
+        unused = f"; so a_sync_configs ({', '.join(a_sync_keys)}) is not used either" if a_sync_keys else ""
         decisions.append(Decision("a_sync", "ignored", "it is for parameter-server training; "
-                                                       "collective training ignores it"))
+                                                       "collective training ignores it" + unused))
     if cfg.auto:
         decisions.append(Decision("auto", "ignored", "automatic strategy tuning is not implemented"))
     for switch, section in _SWITCHED_SECTIONS:

@@ -19,6 +19,19 @@ _FROM = Int(Bounds(ge=-1))  # -1 means "not set" in these Paddle fields
 
 # Extra fields of sections fleetc already has: section name -> fields.
 EXTRA_SECTION_FIELDS: dict[str, tuple[Field, ...]] = {
+    "a_sync_configs": (  # k_steps is fleetc's own (parameter-server geo mode)
+        Field("max_merge_var_num", COUNT, 1, "Paddle: gradients merged per send"),
+        Field("send_queue_size", COUNT, 16, "Paddle: send queue length"),
+        flag("independent_recv_thread", "Paddle: receive on a thread of its own"),
+        Field("min_send_grad_num_before_recv", COUNT, 1, "Paddle: sends before a receive"),
+        Field("thread_pool_size", COUNT, 1, "Paddle: communicator threads"),
+        Field("send_wait_times", COUNT, 1, "Paddle: waits before a send"),
+        flag("runtime_split_send_recv", "Paddle: split send/recv at run time"),
+        flag("launch_barrier", "Paddle: barrier at launch", True),
+        Field("lr_decay_steps", COUNT, 10, "Paddle: learning-rate decay interval"),
+        Field("use_ps_gpu", SIZE, 0, "Paddle: GPU parameter server"),
+        Field("use_gpu_graph", SIZE, 0, "Paddle: GPU graph engine"),
+    ),
     "recompute_configs": (flag("enable_tuning", "Paddle: auto-parallel recompute tuning"),),
     "amp_configs": (
         flag("use_optimizer_fp16", "Paddle: keep optimizer state in fp16 (auto parallel only)"),
@@ -95,20 +108,6 @@ EXTRA_ENTRIES: tuple[FieldOrSection, ...] = (
         Field("not_quant_pattern", NAMES, (), "Paddle: name patterns left unquantized"),
     ), "Paddle: quantization-aware training settings"),
     flag("split_data", "Paddle: split the data across parameter-server workers", True),
-    Section("a_sync_configs", (
-        Field("k_steps", _FROM, -1, "Paddle: geo-SGD interval"),
-        Field("max_merge_var_num", COUNT, 1, "Paddle: gradients merged per send"),
-        Field("send_queue_size", COUNT, 16, "Paddle: send queue length"),
-        flag("independent_recv_thread", "Paddle: receive on a thread of its own"),
-        Field("min_send_grad_num_before_recv", COUNT, 1, "Paddle: sends before a receive"),
-        Field("thread_pool_size", COUNT, 1, "Paddle: communicator threads"),
-        Field("send_wait_times", COUNT, 1, "Paddle: waits before a send"),
-        flag("runtime_split_send_recv", "Paddle: split send/recv at run time"),
-        flag("launch_barrier", "Paddle: barrier at launch", True),
-        Field("lr_decay_steps", COUNT, 10, "Paddle: learning-rate decay interval"),
-        Field("use_ps_gpu", SIZE, 0, "Paddle: GPU parameter server"),
-        Field("use_gpu_graph", SIZE, 0, "Paddle: GPU graph engine"),
-    ), "Paddle: asynchronous (parameter-server) settings"),
     Section("gradient_scale_configs", (
         Field("scale_strategy", Choice(("avg", "sum", "customized")), "avg",
               "Paddle: how the loss gradient is scaled across devices"),

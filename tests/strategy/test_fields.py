@@ -77,7 +77,7 @@ EXPECTED_DEFAULTS = {
     "heter_ccl_mode": False, "is_fl_ps_mode": False, "with_coordinator": False, "qat": False,
     "qat_configs.channel_wise_abs_max": True, "qat_configs.weight_bits": 8, "qat_configs.activation_bits": 8,
     "qat_configs.not_quant_pattern": [], "split_data": True,
-    "a_sync_configs.k_steps": -1, "a_sync_configs.max_merge_var_num": 1, "a_sync_configs.send_queue_size": 16,
+    "a_sync_configs.max_merge_var_num": 1, "a_sync_configs.send_queue_size": 16,
     "a_sync_configs.independent_recv_thread": False, "a_sync_configs.min_send_grad_num_before_recv": 1,
     "a_sync_configs.thread_pool_size": 1, "a_sync_configs.send_wait_times": 1,
     "a_sync_configs.runtime_split_send_recv": False, "a_sync_configs.launch_barrier": True,
