@@ -7,9 +7,10 @@ updates, the parameters are all-gathered from their owners in buckets of `segmen
 Stage 2: also each gradient bucket's allreduce becomes a reduce-scatter into an owner-major padded
 buffer that lives only inside the collective; a rank keeps its shard, and its own gradients are views of
 it (`fleetc.shard_views`); gradients it does not own are never materialised in full after their bucket.
+Under AMP each rank unscales and checks only the gradients it keeps, and `found_inf` is max-allreduced.
 
-The trainer stamps `metadata["sharding"]` (stage, degree, this rank's index in its sharding group, the
-group partitions); runs only there. Ownership: passes/sharding/plan.py.
+The trainer stamps `metadata["sharding"]` (degree, this rank's index in its sharding group, the group
+partitions; the pass adds the parameters it owns); runs only there. Ownership: passes/sharding/plan.py.
 """
 from __future__ import annotations
 
