@@ -42,6 +42,7 @@ class UseDef:
 
     def __init__(self, program: Program, block: Block):
         self.program, self.block = program, block
+        self.built_from = (block.ops, len(block.ops))  # the block's op list, which only compact() may replace
         self.slots: list[Op | None] = list(block.ops)
         self.position: dict[str, int] = {op.name: i for i, op in enumerate(block.ops)}
         self.readers: dict[str, list[Op]] = {}
@@ -103,15 +104,20 @@ class UseDef:
 
             verify_usedef(self)
         self.block.ops = self.ops()
+        self.built_from = (self.block.ops, len(self.block.ops))
 
 
 def check_consistent(usedef: UseDef) -> str | None:
     """None when `usedef` matches its current ops exactly (positions in order, readers, writers) as an index
     rebuilt from scratch would; else what differs."""
+    block_ops, length = usedef.built_from
+    if usedef.block.ops is not block_ops or len(block_ops) != length:
+        return "the block's op list was changed directly, not through the index (compact() would lose the change)"
     ops = usedef.ops()
     fresh = UseDef(usedef.program, dataclasses.replace(usedef.block, ops=ops))
     position = usedef.position
-    if len(position) != len(ops) or any(op.name not in position or usedef.slots[position[op.name]] is not op for op in ops):
+    if len(position) != len(ops) or any(op.name not in position or usedef.slots[position[op.name]] is not op
+                                        for op in ops):
         return "positions do not match the slots the ops stand in"
     for what, got, expected in (("readers", usedef.readers, fresh.readers), ("writers", usedef.writers, fresh.writers)):
         got_names, expected_names = _names(got), _names(expected)

@@ -36,7 +36,7 @@ class VisitCounter:
 
 @contextlib.contextmanager
 def count_visits() -> Iterator[VisitCounter]:
-    """Count every attribute read of an Op or Var in the block; yields the counter (read `.total`)."""
+    """Count every attribute read of an Op or Var inside the `with` block; yields the counter (read `.total`)."""
     if any("__getattribute__" in cls.__dict__ for cls in _COUNTED):
         raise RuntimeError("count_visits() is already active (it does not nest)")
     counter = VisitCounter()

@@ -71,6 +71,9 @@ def test_the_verifier_catches_a_stale_index():
     usedef = UseDef(program, block)
     usedef.position["mul"] = 0
     assert check_consistent(usedef) == "positions do not match the slots the ops stand in"
+    usedef = UseDef(program, block)
+    block.ops.append(Op("neg", "aten.neg.Tensor", (Ref("c"),), outputs=["a2"]))
+    assert "changed directly" in check_consistent(usedef)
 
 
 def test_compact_verifies_in_tests():
