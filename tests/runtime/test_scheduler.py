@@ -2,6 +2,7 @@
 threads; profiler ranges; the dependency graph's orderings; the other execution_strategy fields."""
 from __future__ import annotations
 
+import itertools
 import threading
 
 import pytest
@@ -106,7 +107,7 @@ def test_random_draws_keep_program_order():
     nodes = build_graph(program, program.global_block)
     drawing = [i for i, node in enumerate(nodes) if RNG in node.writes]
     assert len(drawing) >= 2 and all(draws_random(nodes[i].op.type) for i in drawing)
-    for a, b in zip(drawing, drawing[1:]):
+    for a, b in itertools.pairwise(drawing):
         assert b in nodes[a].successors
 
 
@@ -115,7 +116,7 @@ def test_collectives_form_one_chain_in_program_order():
     nodes = build_graph(program, program.global_block)
     comm = [i for i, node in enumerate(nodes) if node.collective]
     assert len(comm) >= 2
-    for a, b in zip(comm, comm[1:]):
+    for a, b in itertools.pairwise(comm):
         assert b in nodes[a].successors
 
 
