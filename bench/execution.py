@@ -8,7 +8,6 @@ import copy
 import json
 import math
 import pathlib
-import resource
 import statistics
 import subprocess
 import sys
@@ -20,11 +19,11 @@ from torch import nn
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 
-from conftest import eager_step  # noqa: E402
-from zoo import OPTIMIZERS, ZOO, ZooEntry  # noqa: E402
+from conftest import eager_step
+from zoo import OPTIMIZERS, ZOO, ZooEntry
 
-import fleetc  # noqa: E402
-from fleetc.runtime.memory import allocation_peak_bytes  # noqa: E402
+import fleetc
+from fleetc.runtime.memory import allocation_peak_bytes
 
 
 class EncoderLayer(nn.Module):
@@ -129,26 +128,29 @@ def memory(entry: ZooEntry, optimizer: str) -> dict[str, int]:
             trainer.step(*a, **k)
         a, k = batches[2]
         key = "inplace on" if inplace else "inplace off"
-        out[key] = held_bytes(model, trainer.optimizer) + allocation_peak_bytes(lambda: trainer.step(*a, **k))
+        out[key] = held_bytes(model, trainer.optimizer) + allocation_peak_bytes(
+            lambda trainer=trainer, a=a, k=k: trainer.step(*a, **k))
         out[f"planned ({key})"] = trainer.memory_stats()["estimated_peak_bytes"]
     return out
 
 
 def rss_child(model_name: str, variant: str, optimizer: str) -> None:
-    """Run in a fresh process: 5 steps of one variant, then print the process peak RSS in KiB."""
+    """Run in a fresh process: 5 steps of one variant, then print the process peak RSS in KiB (VmHWM: getrusage's
+    ru_maxrss would report the parent's peak when that is larger, as it is kept across fork and exec)."""
     entry = MODELS[model_name]
     torch.manual_seed(0)
     model = entry.make_model()
     g = torch.Generator().manual_seed(0)
     if variant == "eager":
         opt = OPTIMIZERS[optimizer](model.parameters())
-        step = lambda *a, **k: eager_step(model, opt, entry.loss_fn, a, k)  # noqa: E731
+        step = lambda *a, **k: eager_step(model, opt, entry.loss_fn, a, k)
     else:
         step = trainer_for(entry, model, optimizer, enable_inplace=variant == "inplace on").step
     for _ in range(5):
         a, k = entry.make_batch(g)
         step(*a, **k)
-    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    status = pathlib.Path("/proc/self/status").read_text()
+    print(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")))
 
 
 def rss(model_name: str, optimizer: str) -> dict[str, int]:
@@ -181,7 +183,7 @@ def main() -> None:
         entry = MODELS[name]
         times, mem, peak_rss = step_times(entry, args), memory(entry, args.optimizer), rss(name, args.optimizer)
         results[name] = {"ms": times, "bytes": mem, "rss_kib": peak_rss}
-        mib = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
+        mib = lambda b: f"{b / 2**20:.2f}"
         print(f"| {name} | {times['eager']:.2f} | {times['threads=1']:.2f} | {times['threads=2']:.2f} | "
               f"{times['threads=4']:.2f} | {mib(mem['eager'])} / {mib(mem['inplace off'])} / {mib(mem['inplace on'])} "
               f"({mib(mem['planned (inplace on)'])}) | {mem['inplace on'] / mem['eager']:.2f}x | "

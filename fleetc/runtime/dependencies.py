@@ -34,7 +34,7 @@ COMM = "<communication stream>"
 RNG_FLEETC_OPS = frozenset({"fleetc.fused_dropout_add", "fleetc.fused_dropout_add_philox"})
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def draws_random(op_type: str) -> bool:
     """Whether ops of this type advance the default random generator."""
     if op_type.startswith("fleetc."):

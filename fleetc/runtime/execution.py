@@ -1,8 +1,9 @@
 """How a trainer runs its compiled steps, read from `execution_strategy` and `build_strategy` (docs/execution.md)."""
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import torch
 
@@ -20,7 +21,7 @@ class ExecutionPlan:
     drop_scope_every: int
 
     @classmethod
-    def from_config(cls, config: Any) -> "ExecutionPlan":
+    def from_config(cls, config: Any) -> ExecutionPlan:
         execution = config.execution_strategy
         sequential = bool(config.build_strategy.enable_sequential_execution)
         return cls(1 if sequential else execution.num_threads, sequential, execution.num_iteration_per_run,

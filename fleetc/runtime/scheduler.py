@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -24,7 +25,12 @@ from fleetc.ir.liveness import block_reads, last_use_index
 from fleetc.ir.program import CONDITIONAL_BLOCK, Block, Op, Program, Ref, VarKind
 from fleetc.ir.registry import resolve_callable
 from fleetc.runtime.dependencies import Node, build_graph
-from fleetc.runtime.pycodegen import profile_label, profiler_active, returned_outputs, unpacks
+from fleetc.runtime.pycodegen import (
+    profile_label,
+    profiler_active,
+    returned_outputs,
+    unpacks,
+)
 
 
 def _bind(value: Any, env: dict[str, Any]) -> Any:

@@ -2,6 +2,7 @@
 threads; profiler ranges; the dependency graph's orderings; the other execution_strategy fields."""
 from __future__ import annotations
 
+import itertools
 import threading
 
 import pytest
@@ -48,6 +49,22 @@ def test_gradient_merge_with_threads_gives_the_same_bits():
     runs = {n: run_side_by_side("gpt", "momentum", steps=4, strategy=threads_strategy(n, merge_strategy(2)))
             for n in (1, 4)}
     assert runs[4].trainer._last_train.executable.scheduled is not None
+    assert_bitwise_equal(runs[1], runs[4])
+
+
+def test_fused_ops_keep_their_bits_with_threads():
+    """gpt with fused dropout+add, gemm epilogues and auto-fused chains: 4 threads give the bits of one."""
+    def fused(num_threads: int) -> fleetc.DistributedStrategy:
+        strategy = threads_strategy(num_threads)
+        build = strategy.build_strategy
+        build.fuse_dropout_add = build.fuse_gemm_epilogue = build.fuse_elewise_add_act_ops = True
+        build.enable_auto_fusion = True
+        return strategy
+
+    runs = {n: run_side_by_side("gpt", "sgd", steps=2, strategy=fused(n)) for n in (1, 4)}
+    types = {op.type for op in runs[4].trainer.program.global_block.ops}
+    assert types & {"fleetc.fused_dropout_add", "fleetc.fused_dropout_add_philox"}
+    runs[4].assert_same()
     assert_bitwise_equal(runs[1], runs[4])
 
 
@@ -106,8 +123,27 @@ def test_random_draws_keep_program_order():
     nodes = build_graph(program, program.global_block)
     drawing = [i for i, node in enumerate(nodes) if RNG in node.writes]
     assert len(drawing) >= 2 and all(draws_random(nodes[i].op.type) for i in drawing)
-    for a, b in zip(drawing, drawing[1:]):
+    for a, b in itertools.pairwise(drawing):
         assert b in nodes[a].successors
+
+
+def test_independent_fused_dropouts_keep_program_order():
+    """Two fused dropout+adds no data connects: each draws from the default generator inside a fleetc op, so the
+    graph orders them anyway (else their masks could swap between runs)."""
+    program = Program.parse("""
+program: 3 ops, 1 block(s)
+feeds: x: f32[4], y: f32[4]
+fetches: out=z
+block 0 {
+  data x: f32[4] cpu
+  data y: f32[4] cpu
+  a: f32[4], ma: b8[4] = fleetc.fused_dropout_add(x, y, 0.5, True)  # forward
+  b: f32[4], mb: b8[4] = fleetc.fused_dropout_add(y, x, 0.5, True)  # forward
+  z: f32[4] = aten.add.Tensor(a, b)  # forward
+}
+""")
+    nodes = build_graph(program, program.global_block)
+    assert nodes[0].successors == [1, 2] and RNG in nodes[0].writes and RNG in nodes[1].writes
 
 
 def test_collectives_form_one_chain_in_program_order():
@@ -115,7 +151,7 @@ def test_collectives_form_one_chain_in_program_order():
     nodes = build_graph(program, program.global_block)
     comm = [i for i, node in enumerate(nodes) if node.collective]
     assert len(comm) >= 2
-    for a, b in zip(comm, comm[1:]):
+    for a, b in itertools.pairwise(comm):
         assert b in nodes[a].successors
 
 

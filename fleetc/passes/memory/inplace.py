@@ -28,7 +28,7 @@ from fleetc.ir.registry import resolve_callable
 from fleetc.passes.base import PassReport
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def inplace_variant(op_type: str) -> str | None:
     """`aten.relu_.default` for `aten.relu.default`: the in-place overload of a pointwise aten op with the same
     arguments, writing its first argument `self`; None when there is none."""
