@@ -220,3 +220,11 @@ def test_pipeline_with_amp_is_refused_with_the_reason():
     strategy.amp = True
     with pytest.raises(StrategyError, match="pipeline with amp is not supported yet: found_inf"):
         _compile_step(Guarded(), strategy)
+
+
+def test_without_an_optimizer_the_program_runs_whole_with_the_reason():
+    model = Guarded()
+    trainer = fleetc.compile(model, _strategy(), loss_fn=F.cross_entropy)
+    trainer.step(torch.randn(4, 4), torch.randint(0, 3, (4,)))
+    assert "no optimizer update in the Program" in trainer.report().skipped["pipeline_split"]
+    assert model.a.weight.grad is not None
