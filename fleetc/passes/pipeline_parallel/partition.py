@@ -81,8 +81,8 @@ class PipelinePlan:
 def partition(program: Program, microbatches: int) -> PipelinePlan:
     """The PipelinePlan of a captured training Program annotated with device_guard stages."""
     if len(program.blocks) != 1:
-        raise PassError("the pipeline split needs a single-block Program: gradient merge's conditional update is "
-                        "switched off under pipeline (pipeline_configs.accumulate_steps accumulates instead)")
+        raise PassError("the pipeline split needs a single-block Program: a conditional update (gradient merge, or a "
+                        "skip on overflow) cannot be split across stages yet")
     work = program.clone()
     ops = work.global_block.ops
     for op in ops:

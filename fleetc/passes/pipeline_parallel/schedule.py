@@ -174,10 +174,12 @@ def _interleaved(ranks: int, microbatches: int, vpp: int) -> list[list[Action]]:
 
 def _zbh1(ranks: int, microbatches: int, vpp: int) -> list[list[Action]]:
     """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism"): 1F1B's order of forwards and input-gradient backwards
-    B, with each weight-gradient backward W deferred to the first moment its rank would otherwise wait.
+    B, with the weight-gradient backwards W moved into the moments a rank would otherwise wait.
 
-    Built by list scheduling with unit costs for F, B and W: W work only ever fills idle time, so no F or B starts
-    later than in 1F1B, and the activations alive stay 1F1B's (W holds only what it needs for the weights)."""
+    Built by list scheduling with unit costs for F, B and W: a rank runs its next F or B when its input is there,
+    else a pending W. Memory stays 1F1B's peak: no rank starts a forward while `ranks` micro-batches are held
+    until their W (first stage's 1F1B peak), running a W first. With uniform costs each rank then idles (p-1)
+    units, ZB-H1's (p-1)(F+B-W), against 1F1B's (p-1)(F+B+W)."""
     split = [[Action(BACKWARD_INPUT, a.microbatch, a.stage) if a.kind == BACKWARD else a for a in order]
              for order in _one_f_one_b(ranks, microbatches, 1)]
     finish: dict[tuple[str, int, int], int] = {}
@@ -199,8 +201,11 @@ def _zbh1(ranks: int, microbatches: int, vpp: int) -> list[list[Action]]:
         for r in range(ranks):
             if busy_until[r] > t:
                 continue
-            if position[r] < len(split[r]) and ready(split[r][position[r]], t):
-                action = split[r][position[r]]
+            nxt = split[r][position[r]] if position[r] < len(split[r]) else None
+            alive = sum(a.kind == FORWARD for a in orders[r]) - sum(a.kind == BACKWARD_WEIGHT for a in orders[r])
+            if nxt is not None and ready(nxt, t) and not (nxt.kind == FORWARD and pending_w[r]
+                                                          and alive >= ranks):
+                action = nxt
                 position[r] += 1
                 if action.kind == BACKWARD_INPUT:
                     pending_w[r].append(Action(BACKWARD_WEIGHT, action.microbatch, action.stage))

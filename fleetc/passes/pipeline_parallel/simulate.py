@@ -45,14 +45,16 @@ class Slot:
 
 @dataclass(frozen=True)
 class Simulation:
-    """What running a schedule gives: the step's length, each rank's busy time, the timeline, and the peak number
-    of micro-batch chunks whose activations a rank holds (forward done, input-gradient backward not yet)."""
+    """What running a schedule gives: the step's length, each rank's busy time, the timeline, the peak number of
+    micro-batch chunks whose activations a rank holds (forward done, input-gradient backward not yet), and the peak
+    number it holds anything of until its weight gradient is done (what a deferred W keeps alive)."""
 
     schedule: Schedule
     makespan: float
     busy: tuple[float, ...]
     peak_in_flight: tuple[int, ...]
     timeline: tuple[Slot, ...]
+    peak_until_weights: tuple[int, ...] = ()
 
     @property
     def idle(self) -> tuple[float, ...]:
@@ -89,6 +91,8 @@ def simulate(schedule: Schedule, cost: Callable[[Action], float] | None = None, 
     messages: dict[tuple[str, int, int, int], float] = {}                   # (kind, mb, stage, receiver) → arrival
     in_flight = [0] * ranks
     peak = [0] * ranks
+    until_weights = [0] * ranks
+    peak_weights = [0] * ranks
     timeline: list[Slot] = []
 
     def missing_input(rank: int, a: Action) -> str | None:
@@ -138,6 +142,8 @@ def simulate(schedule: Schedule, cost: Callable[[Action], float] | None = None, 
             busy[rank] += duration
             in_flight[rank] += 1 if a.kind == FORWARD else -1 if a.kind in (BACKWARD, BACKWARD_INPUT) else 0
             peak[rank] = max(peak[rank], in_flight[rank])
+            until_weights[rank] += 1 if a.kind == FORWARD else -1 if a.kind in (BACKWARD, BACKWARD_WEIGHT) else 0
+            peak_weights[rank] = max(peak_weights[rank], until_weights[rank])
         done[rank].add((a.kind, a.microbatch, a.stage))
         position[rank] += 1
         return True
@@ -158,4 +164,5 @@ def simulate(schedule: Schedule, cost: Callable[[Action], float] | None = None, 
                             + ", ".join(f"{k[0].replace('recv_', '')} of micro-batch {k[1]} for chunk {k[2]} to rank "
                                         f"{k[3]}" for k in sorted(messages)))
     makespan = max(clock)
-    return Simulation(schedule, makespan, tuple(busy), tuple(peak), tuple(sorted(timeline, key=lambda s: s.start)))
+    return Simulation(schedule, makespan, tuple(busy), tuple(peak), tuple(sorted(timeline, key=lambda s: s.start)),
+                      tuple(peak_weights))

@@ -45,6 +45,7 @@ def test_zbh1_has_fewer_bubbles_than_1f1b_and_the_same_activations(p, m):
     assert sum(zb.idle) < sum(ofob.idle)
     assert zb.idle[0] == pytest.approx(p - 1)   # ZB-H1's (p-1)(F+B-W) with unit F, B, W
     assert zb.peak_in_flight == ofob.peak_in_flight
+    assert max(zb.peak_until_weights) == max(ofob.peak_until_weights) == p   # deferred W keeps 1F1B's peak
     weights = [a for a in zb.schedule.actions[0] if a.kind == BACKWARD_WEIGHT]
     assert sorted(a.microbatch for a in weights) == list(range(m))
 

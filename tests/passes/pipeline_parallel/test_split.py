@@ -192,3 +192,39 @@ def test_skip_connection_across_stages_is_relayed(mode):
     notes = trainer.report().notes["pipeline_split"]
     relay = next(n for n in notes if n.startswith("  stage 1:"))
     assert "tanh" in relay and "sends" in relay   # stage 1 forwards stage 0's h along with its own g
+
+
+def test_pipeline_composes_with_recompute_per_stage():
+    torch.manual_seed(0)
+    model = StagedGPT(2)
+    reference = copy.deepcopy(model)
+    strategy = _strategy(accumulate_steps=2, micro_batch_size=2)
+    strategy.recompute = True
+    strategy.recompute_configs = {"checkpoints": ["layers.0", "layers.1"]}
+    trainer = fleetc.compile(model, strategy, optimizer=OPTIMIZERS["adam"](model.parameters()),
+                             loss_fn=ZOO["gpt"].loss_fn, verify=True)
+    reference_optimizer = OPTIMIZERS["adam"](reference.parameters())
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        args, _ = ZOO["gpt"].make_batch(g)
+        loss = trainer.step(*args)
+        expected = eager_accumulating_step(reference, reference_optimizer, ZOO["gpt"].loss_fn, args, 2)
+        torch.testing.assert_close(loss, torch.tensor(expected))
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, msg=lambda m, name=name: f"{name}: {m}")
+    assert {"recompute", "pipeline_split"} <= set(trainer.report().applied)
+
+
+def test_pipeline_with_amp_is_refused_with_the_reason():
+    strategy = _strategy()
+    strategy.amp = True
+    with pytest.raises(StrategyError, match="pipeline with amp is not supported yet: found_inf"):
+        _compile_step(Guarded(), strategy)
+
+
+def test_without_an_optimizer_the_program_runs_whole_with_the_reason():
+    model = Guarded()
+    trainer = fleetc.compile(model, _strategy(), loss_fn=F.cross_entropy)
+    trainer.step(torch.randn(4, 4), torch.randint(0, 3, (4,)))
+    assert "no optimizer update in the Program" in trainer.report().skipped["pipeline_split"]
+    assert model.a.weight.grad is not None
