@@ -40,8 +40,8 @@ def _format_key(key: Any) -> str:
 
 def format_value(value: Any) -> str:
     """An argument, attribute or metadata value in the text form's value syntax (Python-like, Vars bare)."""
-    if isinstance(value, Ref):
-        return format_name(value.name)
+    if isinstance(value, Ref):  # a Ref without a name is broken IR: shown readably for the verifier's message
+        return format_name(value.name) if value.name is not None else "%<no name>"
     if value is None or isinstance(value, (bool, int, float)):
         return repr(value)
     if isinstance(value, str):

@@ -39,6 +39,14 @@ def test_use_before_definition(program):
     assert "after pass 'my_pass'" in str(info.value) and ">>" in str(info.value)
 
 
+def test_a_ref_without_a_name_is_reported_not_a_crash(program):
+    op = program.global_block.ops[_op_index(program, "aten.relu.default")]
+    op.args = (Ref(None), *op.args[1:])
+    with pytest.raises(fleetc.VerificationError, match="which no block in scope declares") as info:
+        verify(program)
+    assert "%<no name>" in str(info.value)
+
+
 def test_two_definers_of_a_temporary(program):
     ops = program.global_block.ops
     i = _op_index(program, "aten.relu.default")

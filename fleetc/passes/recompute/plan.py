@@ -46,8 +46,8 @@ class ForwardRegion:
     def must_save(self, name: str) -> bool:
         """Values that are never re-run: results of MUST_SAVE ops, dropout masks, and fetched values."""
         op = self.producer[name]
-        if op.type == DROPOUT:
-            return name != op.outputs[0]
+        if op.type == DROPOUT:  # its output is replayed from the mask, unless capture dropped the mask
+            return name != op.outputs[0] or op.outputs[1] is None
         return self.choices[op.name] is Choice.MUST_SAVE or name in self.program.fetches.values()
 
     def closure(self, names: set[str], saved: frozenset[str]) -> set[str]:
