@@ -43,6 +43,8 @@ class ParameterServerTrainer(CompiledTrainer):
     a checkpoint) and waits until every server is ready. Each step pulls and pushes inside the compiled Program.
     """
 
+    programs_read_servers = True  # export compiles the model's eval Program without the PS pass (export_sources)
+
     def __init__(self, model: nn.Module, strategy: Any = None, *, optimizer: torch.optim.Optimizer | None = None,
                  client: Client, loss_fn: Callable | None = None, **compile_options: Any):
         if optimizer is None:
