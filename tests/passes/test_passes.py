@@ -79,7 +79,8 @@ def test_history_has_one_record_per_pass_with_snapshots_and_diffs():
     history = trainer.history
     # fuse_bn_add_act_ops is on by default (as in Paddle), so its pass runs and reports it found nothing;
     # the data-parallel passes run and report that a single process needs no collectives
-    assert history.names() == ["capture", "remove_noop_views", "sync_batch_norm", "fuse_bn_add_act", "insert_allreduce",
+    assert history.names() == ["capture", "remove_noop_views", "sync_batch_norm", "fuse_bn_add_act", "parameter_server",
+                               "insert_allreduce",
                                "fuse_all_reduce_ops", "allreduce_views", "overlap_allreduce",
                                "dead_code_elimination"]
     assert history["capture"].program.num_ops() > history[-1].program.num_ops() == trainer.program.num_ops()
