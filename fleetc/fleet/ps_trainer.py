@@ -56,7 +56,7 @@ class ParameterServerTrainer(CompiledTrainer):
         self.barrier = bool(self.config.execution_strategy.use_thread_barrier)
         shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
         self.placement: Placement = place(shapes, embedding_tables(model), client.role.server_num)
-        self.decisions = [d for d in self.decisions if not d.startswith("a_sync")]
+        self.decisions = [d for d in self.decisions if not d.startswith("a_sync:")]  # replaced by the mode line
         self.decisions.append(self._mode_line())
         params = dict(model.named_parameters())
         with torch.no_grad():
