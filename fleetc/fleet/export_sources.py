@@ -129,7 +129,9 @@ def eval_trainer(trainer: CompiledTrainer, state: dict[str, torch.Tensor], *, fl
     """The trainer whose eval Program is exported, and its weights: `trainer` itself, or one compiling the same
     model without AMP (`float32`, on float32 weights) or without the fusion passes (`unfused`)."""
     without_amp = float32 and trainer.config.amp
-    if not without_amp and not unfused:
+    # A parameter-server worker's Programs pull from the servers: export from a plain trainer of the same model
+    # (its weights pulled from the servers first, by fleet.save_inference_model).
+    if not without_amp and not unfused and not getattr(trainer, "programs_read_servers", False):
         return trainer, state
     config = trainer.config.replace({"amp": False}) if without_amp else trainer.config
     model = float32_model(trainer) if without_amp else trainer.model

@@ -244,6 +244,8 @@ class Fleet:
             trainer, main_program = main_program, None
         trainer = self._trainer(trainer)
         export_sources.check_feed_names(trainer.model, export_sources.as_names(feeded_var_names, "feeded_var_names"))
+        if isinstance(trainer, ParameterServerTrainer):  # the calling worker exports the servers' current weights
+            trainer.pull_all()
         if self.role is not None and not self.is_first_worker():
             self.barrier_worker()
             return None

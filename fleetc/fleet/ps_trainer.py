@@ -43,6 +43,8 @@ class ParameterServerTrainer(CompiledTrainer):
     a checkpoint) and waits until every server is ready. Each step pulls and pushes inside the compiled Program.
     """
 
+    programs_read_servers = True  # export compiles the model's eval Program without the PS pass (export_sources)
+
     def __init__(self, model: nn.Module, strategy: Any = None, *, optimizer: torch.optim.Optimizer | None = None,
                  client: Client, loss_fn: Callable | None = None, **compile_options: Any):
         if optimizer is None:
@@ -54,7 +56,7 @@ class ParameterServerTrainer(CompiledTrainer):
         self.barrier = bool(self.config.execution_strategy.use_thread_barrier)
         shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
         self.placement: Placement = place(shapes, embedding_tables(model), client.role.server_num)
-        self.decisions = [d for d in self.decisions if not d.startswith("a_sync")]
+        self.decisions = [d for d in self.decisions if not d.startswith("a_sync:")]  # replaced by the mode line
         self.decisions.append(self._mode_line())
         params = dict(model.named_parameters())
         with torch.no_grad():

@@ -76,6 +76,7 @@ def train(rank: int, config: dict, out_dir: str) -> None:
         losses.append(float(trainer.step(*(a.chunk(workers)[me] for a in args))))
     if config.get("save") and fleet.is_first_worker():
         fleet.save_persistables(config["save"])
+        fleet.save_inference_model(None, os.path.join(out_dir, "inference"), ["ids"], None)
     trainer.pull_all()
     result = {"losses": losses, "params": {k: v.clone() for k, v in model.state_dict().items()},
               "stats": dict(trainer.client.stats), "program": str(trainer.program),

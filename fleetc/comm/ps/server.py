@@ -76,8 +76,7 @@ class Server:
                 self.dense[name] = _checked(source, name, placement.shapes[name]).clone()
                 self.state[name] = new_state(spec, self.dense[name], table=False)
             for name, shape in placement.tables.items():
-                full = source[name] if self.loaded is not None else None
-                shard = _checked({name: full}, name, shape)[s::count] if full is not None else values[name]
+                shard = _checked(source, name, shape)[s::count] if self.loaded is not None else values[name]
                 self.tables[name] = shard.clone()
                 self.state[name] = new_state(spec, self.tables[name], table=True)
             if self.loaded is not None:

@@ -46,8 +46,7 @@ class ParameterServerRewrite:
     def run(self, program: Program, config: Any) -> tuple[Program, PassReport]:
         report = PassReport(self.name)
         settings = ps_metadata(program)
-        if settings is None:
-            report.skipped_reason = "not a parameter-server job"
+        if settings is None:  # collective or single-process training: a_sync is reported by resolve_conflicts
             return program, report
         for key, what in _INCOMPATIBLE.items():
             if key in program.metadata:
