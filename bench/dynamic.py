@@ -8,7 +8,8 @@ padding), run four ways, each in its own process (so its peak RSS is its own):
 - `torch.compile`: the same eager step on torch.compile(model) (its default dynamic=None).
 
 Reported: total wall time of the loop (compiles included), Programs compiled, peak RSS. `--fixed` instead times
-the median step of fleetc static and dynamic at one fixed shape (the goal: dynamic within 1.1x of static).
+the median step of fleetc static and dynamic at one fixed shape, interleaved in one process (the goal: dynamic
+within 1.1x of static).
 """
 from __future__ import annotations
 
@@ -78,18 +79,22 @@ def run_loop(variant: str, args: argparse.Namespace) -> dict:
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def run_fixed(variant: str, args: argparse.Namespace) -> dict:
-    model, optimizer = make(args)
-    step, _ = stepper(variant, model, optimizer)
+def run_fixed(args: argparse.Namespace) -> list[dict]:
+    """Median step of fleetc static and dynamic at one shape, in one process, steps interleaved (the order
+    alternating) so that machine noise lands on both alike."""
+    steps = {}
+    for variant in ("static", "dynamic"):
+        model, optimizer = make(args)
+        steps[variant] = stepper(variant, model, optimizer)[0]
     x, y = batches(1, args.batch, args.max_seq, args.max_seq, args.vocab)[0]
-    for _ in range(5):
-        step(x, y)
-    times = []
-    for _ in range(args.fixed_steps):
-        start = time.perf_counter()
-        step(x, y)
-        times.append(time.perf_counter() - start)
-    return {"variant": variant, "median_step_ms": 1e3 * statistics.median(times)}
+    times: dict[str, list[float]] = {variant: [] for variant in steps}
+    for i in range(5 + args.fixed_steps):
+        for variant in (("static", "dynamic") if i % 2 else ("dynamic", "static")):
+            start = time.perf_counter()
+            steps[variant](x, y)
+            if i >= 5:
+                times[variant].append(time.perf_counter() - start)
+    return [{"variant": v, "median_step_ms": 1e3 * statistics.median(t)} for v, t in times.items()]
 
 
 def main() -> None:
@@ -104,14 +109,13 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--fixed", action="store_true", help="median step time at one shape: static vs dynamic")
     parser.add_argument("--fixed-steps", type=int, default=50)
-    parser.add_argument("--one", help=argparse.SUPPRESS)  # run one variant in this process
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # run one variant's loop in this process
     args = parser.parse_args()
     if args.one:
-        print(json.dumps((run_fixed if args.fixed else run_loop)(args.one, args)))
+        print(json.dumps(run_loop(args.one, args)))
         return
-    variants = ["static", "dynamic"] if args.fixed else args.variants.split(",")
-    results = []
-    for variant in variants:
+    results = run_fixed(args) if args.fixed else []
+    for variant in [] if args.fixed else args.variants.split(","):
         out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--one", variant], check=True,
                              capture_output=True, text=True).stdout
         results.append(json.loads(out.strip().splitlines()[-1]))

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import sympy
 
 import fleetc
 from fleetc.cli import main
@@ -91,6 +92,15 @@ def test_memory_lists_live_bytes_per_op_and_the_peak(capsys) -> None:
     peak = re.search(r"^# peak: (\d+) bytes \(\d+\.\d\d MiB\) after op (\S+)$", out, re.M)
     assert int(peak.group(1)) == max(int(b) for _, b in rows)
     assert peak.group(2) in {name for name, _ in rows}
+
+
+def test_dynamic_memory_prints_the_peak_formula_in_the_dims(capsys) -> None:
+    code, out, _ = dump(capsys, "cli_factories:mlp", "--dynamic", "--memory")
+    assert code == 0 and "x: f32[batch,32]" in out
+    formula = re.search(r"^# peak formula: (.+) bytes \(the numbers above are for batch=(\d+)", out, re.M)
+    assert formula and "batch" in formula.group(1)
+    peak = int(re.search(r"^# peak: (\d+) bytes", out, re.M).group(1))
+    assert int(sympy.sympify(formula.group(1)).subs("batch", int(formula.group(2)))) == peak
 
 
 def test_out_writes_the_file_and_nothing_else(capsys, tmp_path) -> None:
@@ -176,7 +186,7 @@ def test_help_documents_every_option(capsys) -> None:
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
     for option in ("--strategy", "--after", "--after-change", "--format", "--out", "--disable-pass", "--memory",
-                   "--verify", "package.module:function", "one real training step"):
+                   "--verify", "--dynamic", "package.module:function", "one real training step"):
         assert option in text
     with pytest.raises(SystemExit):
         main(["--help"])

@@ -116,7 +116,9 @@ def _export_artifact(program: Program, state: Mapping[str, torch.Tensor], out_sp
 
 def _value_meta(program: Program, name: str, dynamic: Mapping[int, str]) -> dict[str, Any]:
     var = program.var(name)
-    shape = [dynamic.get(i, d) for i, d in enumerate(var.shape)] if var.shape is not None else None
+    # A dynamic Program's symbolic dims the export did not make dynamic are written by name (`"batch"`).
+    shape = [dynamic.get(i, d if isinstance(d, int) else str(d)) for i, d in enumerate(var.shape)] \
+        if var.shape is not None else None
     return {"shape": shape, "dtype": var.dtype}
 
 

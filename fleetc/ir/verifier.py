@@ -78,7 +78,10 @@ class _ShapeChecker:
         def to_value(ref: Ref) -> Any:
             return self.fake(ref.name, block_idx)
 
-        result = resolve_callable(op.type)(*map_refs(op.args, to_value), **map_refs(op.kwargs, to_value))
+        try:
+            result = resolve_callable(op.type)(*map_refs(op.args, to_value), **map_refs(op.kwargs, to_value))
+        except ArithmeticError:  # hyperparameter arithmetic on stand-in values (1 - beta with beta=1): not a size
+            return
         if op.outputs and op.outputs[0] is not None and isinstance(result, (int, float, bool)):
             self.fakes[op.outputs[0]] = result
 
@@ -190,7 +193,7 @@ def _verify_block(program: Program, block: Block, defined: set[str], definer: di
                 raise _fail(program, block, i, f"sub_block {sub.idx} has parent {sub.parent_idx}, not {block.idx}",
                             after_pass)
             _verify_block(program, sub, set(defined), definer, checker, after_pass, visiting)
-        elif checker is not None and op.type.startswith("fleetc.scalar_"):
+        elif checker is not None and checker.hints and op.type.startswith("fleetc.scalar_"):
             checker.scalar(op, block.idx)  # a dynamic Program's size arithmetic: later shapes depend on it
         elif checker is not None and op.type.startswith("aten."):
             problem = checker.check(op, block.idx)

@@ -18,6 +18,7 @@ from torch.utils._pytree import TreeSpec, tree_unflatten
 
 from fleetc.errors import ExportError
 from fleetc.ir.program import Program, VarKind
+from fleetc.ir.symbolic import concrete_shape, hints
 from fleetc.runtime.pycodegen import generate_step
 
 BATCH_DIM = "batch"
@@ -85,7 +86,8 @@ def example_inputs(program: Program, names: list[str] | None = None) -> dict[str
         var = program.var(name)
         if var.shape is None:
             raise ExportError(f"input {name!r} is a Python {var.dtype} value, not a tensor; export takes tensors")
-        inputs[name] = torch.zeros(var.shape, dtype=var.torch_dtype, device=var.device)
+        # A dynamic Program's symbolic dims: zeros at the sizes it was traced with.
+        inputs[name] = torch.zeros(concrete_shape(var.shape, hints(program)), dtype=var.torch_dtype, device=var.device)
     return inputs
 
 

@@ -13,6 +13,7 @@ from zoo import MLP, TinyGPT, _lm_loss
 
 import fleetc
 from fleetc.errors import GuardError, StrategyError
+from fleetc.fleet.inference import save_inference_model
 from fleetc.ir.liveness import estimate_memory
 from fleetc.ir.parser import parse_program
 from fleetc.ir.serialize import program_from_json, program_to_json
@@ -232,3 +233,17 @@ def test_passes_on_a_dynamic_program_match_the_static_programs(kind):
     else:
         assert trainers[0].report().applied == trainers[1].report().applied
     _assert_same_params(dynamic, static)
+
+
+def test_a_dynamic_eval_program_exports_and_the_export_serves_other_batch_sizes(tmp_path):
+    model = MLP()
+    trainer = fleetc.compile(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=F.cross_entropy,
+                             dynamic=True)
+    trainer.step(torch.randn(8, 32), torch.randint(0, 10, (8,)))
+    trainer(torch.randn(5, 32))
+    assert str(trainer.eval_program.var("x").shape) == "(batch, 32)"
+    save_inference_model(trainer, str(tmp_path / "out"), ["x"])
+    loaded = fleetc.load_inference_model(str(tmp_path / "out"))
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), model.eval()(x), rtol=1e-5, atol=1e-6)
