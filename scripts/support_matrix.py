@@ -3,6 +3,8 @@
     python scripts/support_matrix.py            # run every architecture under every preset, rewrite the table
     python scripts/support_matrix.py --check    # run again; exit 1 and show the differences if the table is stale
     python scripts/support_matrix.py --only gpt2,bert --out matrix.md   # a partial run, written elsewhere
+    python scripts/support_matrix.py --jobs 3 2> progress.log   # later, after an interruption:
+    python scripts/support_matrix.py --jobs 3 --resume progress.log   # runs only what progress.log lacks
 
 The table sits in README.md between the `support-matrix` markers; each cell is `pass` or `fail` with the reason
 (fleetc/fleet/explain.py decides both, as `fleetc explain` does).
@@ -14,6 +16,7 @@ import concurrent.futures
 import difflib
 import multiprocessing
 import pathlib
+import re
 import sys
 import time
 
@@ -27,32 +30,48 @@ from fleetc.fleet.explain import PRESETS, STEPS, check_preset  # noqa: E402
 BEGIN, END = "<!-- support-matrix:begin -->", "<!-- support-matrix:end -->"
 
 
-def row(name: str) -> dict[str, str]:
-    """One architecture's cells (preset → cell), printing progress to stderr."""
+PROGRESS = re.compile(r"^(\w+) (\w+): (.*) \[[0-9.]+s\]$")
+
+
+def resumed(log: str) -> dict[str, dict[str, str]]:
+    """The cells an earlier run printed to stderr (its progress lines): architecture → preset → cell."""
+    cells: dict[str, dict[str, str]] = {}
+    for line in log.splitlines():
+        found = PROGRESS.match(line)
+        if found and found.group(1) in ARCHITECTURES and found.group(2) in PRESETS:
+            cells.setdefault(found.group(1), {})[found.group(2)] = found.group(3)
+    return cells
+
+
+def row(name: str, done: dict[str, str] | None = None) -> dict[str, str]:
+    """One architecture's cells (preset → cell), printing progress to stderr; presets in `done` are not re-run."""
     case = ARCHITECTURES[name]()
-    cells = {}
-    for preset in PRESETS:
+    cells = dict(done or {})
+    for preset in [p for p in PRESETS if p not in cells]:
         start = time.perf_counter()
         model, batches = case.build(STEPS)
         outcome = check_preset(model, batches, case.loss_fn, preset)
         cell = outcome.cell() + (f" ({outcome.location})" if outcome.location and not outcome.ok else "")
-        cells[preset] = cell.replace("|", "\\|").replace("\n", " ")
+        cell = cell.replace("\n", " ")
+        cells[preset] = cell
         print(f"{name} {preset}: {cell} [{time.perf_counter() - start:.1f}s]", file=sys.stderr, flush=True)
     return cells
 
 
-def run(names: list[str], jobs: int) -> dict[str, dict[str, str]]:
-    """architecture → preset → cell, `jobs` architectures at a time (each in its own process)."""
+def run(names: list[str], jobs: int, done: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
+    """architecture → preset → cell, `jobs` architectures at a time (each in its own process); cells in `done`
+    are kept, not re-run."""
+    dones = [done.get(name, {}) for name in names]
     if jobs <= 1:
-        return {name: row(name) for name in names}
+        return {name: row(name, d) for name, d in zip(names, dones)}
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return dict(zip(names, pool.map(row, names)))
+        return dict(zip(names, pool.map(row, names, dones)))
 
 
 def table(cells: dict[str, dict[str, str]]) -> str:
     lines = ["| architecture | " + " | ".join(PRESETS) + " |", "|---" * (len(PRESETS) + 1) + "|"]
     for name, row in cells.items():
-        lines.append(f"| {name} | " + " | ".join(row[p] for p in PRESETS) + " |")
+        lines.append(f"| {name} | " + " | ".join(row[p].replace("|", "\\|") for p in PRESETS) + " |")
     return "\n".join(lines)
 
 
@@ -68,12 +87,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", metavar="NAMES", help="comma-separated architectures (default: all)")
     parser.add_argument("--out", metavar="PATH", help="write the table here instead of into README.md")
     parser.add_argument("--jobs", type=int, default=1, metavar="N", help="architectures run at once (default 1)")
+    parser.add_argument("--resume", metavar="LOG", help="keep the cells an interrupted run printed to stderr (saved "
+                                                        "in LOG) and run only the rest")
     options = parser.parse_args(argv)
     names = options.only.split(",") if options.only else list(ARCHITECTURES)
     unknown = [n for n in names if n not in ARCHITECTURES]
     if unknown:
         parser.error(f"unknown architectures {unknown}; known: {', '.join(ARCHITECTURES)}")
-    fresh = table(run(names, options.jobs))
+    done = resumed(pathlib.Path(options.resume).read_text()) if options.resume else {}
+    fresh = table(run(names, options.jobs, done))
     readme_path = ROOT / "README.md"
     readme = readme_path.read_text()
     if options.check:

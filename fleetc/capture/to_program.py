@@ -88,6 +88,16 @@ def rename_temporaries(program: Program, mapping: dict[str, str]) -> None:
     program.fetches = {key: mapping.get(name, name) for key, name in program.fetches.items()}
 
 
+def _not_an_operator(node: torch.fx.Node) -> CaptureError:
+    """The CaptureError for a graph call that is no operator: a higher-order op (torch.cond, torch.while_loop, ...)
+    or a Python function; it names the construct and the user's file:line."""
+    name = getattr(node.target, "__name__", str(node.target))
+    source = user_frame_from_stack_trace(node.meta.get("stack_trace")) or "an unknown location"
+    return CaptureError(f"cannot capture {name!r} at {source}: a higher-order op or Python function, which a Program "
+                        "cannot hold as one operator\n  hint: compute both branches and pick with torch.where, or "
+                        "register the function as a custom operator (torch.library.custom_op)")
+
+
 class _Converter:
     """One pass over the FX graph, building the Program's global block."""
 
@@ -181,7 +191,7 @@ class _Converter:
         elif isinstance(node.target, torch._ops.OpOverload):
             op_type = str(node.target)
         else:
-            raise CaptureError(f"graph node {node.name} calls {node.target!r}, which is not an aten operator")
+            raise _not_an_operator(node)
         value = node.meta.get("val")
         if value is None and not node.users:
             self.drop_check(node)
@@ -203,9 +213,8 @@ class _Converter:
     def constant(self, node: torch.fx.Node) -> None:
         """A lifted tensor constant (`torch.tensor(...)` or a table made in forward): a CONSTANT Var."""
         value = getattr(self.gm, node.target)
-        if not isinstance(value, torch.Tensor):
-            raise CaptureError(f"the traced graph reads {type(value).__name__} attribute {node.target!r}, "
-                               "which is not a tensor constant")
+        if not isinstance(value, torch.Tensor):  # a subgraph of a higher-order op (torch.cond, ...)
+            raise _not_an_operator(next(iter(node.users), node))
         name = self.program.unique_name(f"const.{node.name.lstrip('_')}")
         try:
             add_constant(self.program, name, value)

@@ -26,7 +26,7 @@ def is_user_file(filename: str) -> bool:
     """True for files that are neither torch's, fleetc's nor the standard library's."""
     path = os.path.abspath(filename)
     return not (path.startswith(_TORCH_DIR) or path.startswith(_FLEETC_DIR) or path.startswith(_STDLIB_DIR)
-                or "site-packages" in path and os.sep + "torch" in path or path.startswith("<"))
+                or "site-packages" in path and os.sep + "torch" in path or filename.startswith("<"))
 
 
 def user_frame_from_stack_trace(stack_trace: str | None) -> str:

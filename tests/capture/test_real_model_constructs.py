@@ -188,3 +188,69 @@ def test_unsupported_constant_names_construct_file_line_and_hint():
     assert f"test_real_model_constructs.py:{line}" in message
     assert "hint: make it a registered buffer" in message
     assert "_tensor_constant" not in message
+
+
+class _Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad
+
+
+@torch.library.custom_op("fleetc_test::scale", mutates_args=())
+def _scale(x: torch.Tensor, k: float) -> torch.Tensor:
+    return x * k
+
+
+@_scale.register_fake
+def _(x: torch.Tensor, k: float) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _scale_setup(ctx, inputs, output) -> None:
+    ctx.k = inputs[1]
+
+
+_scale.register_autograd(lambda ctx, grad: (grad * ctx.k, None), setup_context=_scale_setup)
+
+
+class _CustomOps(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _scale(_Square.apply(self.fc(x)), 3.0)
+
+
+def test_autograd_functions_and_library_custom_ops_train_like_eager():
+    trainer, _ = _train_both(_CustomOps, F.mse_loss,
+                             lambda g: (torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g)))
+    types = {op.type for op in trainer.history["capture"].program.global_block.ops}
+    assert "fleetc_test.scale.default" in types  # the custom op stays one op, its backward is the registered one
+
+
+class _Cond(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return torch.cond(h.sum() > 0, lambda t: t.sin(), lambda t: t.cos(), (h,))
+
+
+def test_higher_order_op_names_construct_file_line_and_hint():
+    model = _Cond()
+    trainer = fleetc.compile(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=F.mse_loss)
+    with pytest.raises(CaptureError) as info:
+        trainer.step(torch.randn(2, 4), torch.randn(2, 4))
+    message = str(info.value)
+    assert f"'cond' at {__file__}:{_Cond.forward.__code__.co_firstlineno + 2}" in message
+    assert "hint: compute both branches and pick with torch.where" in message
+    assert "true_graph" not in message and "eval_with_key" not in message
