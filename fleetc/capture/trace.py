@@ -54,6 +54,9 @@ _HINTS = (
     (("nonzero", "unbacked"),
      "an op whose output shape depends on tensor values",
      "use a fixed-size formulation (masks instead of boolean indexing)"),
+    (("in output, which is not a known type",),
+     "an output object torch cannot flatten into tensors (for example a transformers KV cache)",
+     "return tensors, lists, dicts or dataclasses of them; for Hugging Face models set model.config.use_cache = False"),
 )
 
 

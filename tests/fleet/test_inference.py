@@ -19,8 +19,8 @@ from fleetc.fleet import export_sources, inference
 from fleetc.fleet.inference import META_FILE, MODEL_FILE
 
 # The models every export check runs on: an entry needs only make_model, make_batch and loss_fn, and the inputs are
-# fed by forward argument name. The real-architecture zoo (tests/models/, Hugging Face configs) joins this dict when
-# it lands.
+# fed by forward argument name. Hugging Face architectures are checked separately (test_hugging_face_models_...):
+# their outputs are transformers classes, which a process without transformers cannot rebuild.
 EXPORT_ZOO = dict(ZOO)
 STATIC_BATCH = {"gpt"}  # zoo models whose eval Program fixes the batch size (a view to [b, t, heads, d])
 
@@ -61,6 +61,34 @@ def test_exported_model_matches_eager_eval_in_a_process_without_fleetc(exported_
     assert dynamic != static_note  # dynamic, or a note says why not
     if name in ZOO:
         assert dynamic == (name not in STATIC_BATCH)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["bert", "vit", "gpt2"])
+def test_hugging_face_models_export_and_match_eager_eval(tmp_path, name):
+    """Real architectures (tests/models/factories.py), trained a step with every fusion on, exported and loaded
+    with torch.export.load alone: the logits equal eager eval. A KV cache cannot be an exported output, so caching
+    is off (with it on, the CaptureError says to do this)."""
+    factories = pytest.importorskip("models.factories")
+    case = getattr(factories, name)()
+    trainer, args, kwargs = trained(case, fusion_strategy(), steps=1)
+    trainer.model.config.use_cache = False
+    inputs = export_sources.named_inputs(trainer.model, args, kwargs)
+    with warnings.catch_warnings():  # the static-batch note is not what this checks
+        warnings.simplefilter("ignore")
+        fleet.save_inference_model(None, str(tmp_path / name), list(inputs), ["output"], main_program=trainer)
+    got = torch.export.load(str(tmp_path / name / MODEL_FILE)).module()(*inputs.values())
+    want = eager_eval(trainer.model, **inputs)
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_kv_cache_output_is_refused_with_the_use_cache_hint(tmp_path):
+    factories = pytest.importorskip("models.factories")
+    trainer, args, kwargs = trained(factories.gpt2(), steps=1)
+    inputs = export_sources.named_inputs(trainer.model, args, kwargs)
+    with pytest.raises(fleetc.CaptureError, match="use_cache = False"):
+        fleet.save_inference_model(None, str(tmp_path / "gpt2"), list(inputs), ["output"], main_program=trainer)
 
 
 def test_fused_ops_are_lowered_and_a_static_batch_is_reported(exported_zoo):
