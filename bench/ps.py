@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import tempfile
@@ -18,24 +19,15 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-import fleetc
-import fleetc.fleet as fleet
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+from zoo import CTR  # noqa: E402  (the parameter-server tests' model)
+
+import fleetc  # noqa: E402
+import fleetc.fleet as fleet  # noqa: E402
 
 WARMUP = 3
 MODES = {"sync": (False, 0), "async": (True, 0), "geo": (True, 4)}
-
-
-class CTR(nn.Module):
-    def __init__(self, rows: int = 100_000, dim: int = 16, fields: int = 4, hidden: int = 32):
-        super().__init__()
-        self.embedding = nn.Embedding(rows, dim)
-        self.fc1 = nn.Linear(fields * dim, hidden)
-        self.fc2 = nn.Linear(hidden, 1)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.relu(self.fc1(self.embedding(ids).flatten(1)))).squeeze(1)
 
 
 def job(mode: str, steps: int, batch: int, out: str) -> None:

@@ -14,26 +14,22 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fleetc.errors import PassError
-from fleetc.ir.program import CONDITIONAL_BLOCK, Block, Op, Program, Ref, Var, VarKind, iter_refs, map_refs
+from fleetc.ir.program import (
+    CONDITIONAL_BLOCK,
+    Block,
+    Op,
+    Program,
+    Ref,
+    Var,
+    VarKind,
+    iter_refs,
+    map_refs,
+)
 from fleetc.ir.registry import op_def
+from fleetc.ir.usedef import Names
 from fleetc.passes.base import PassReport
 
 PROVENANCE = "lower_to_aten"
-
-
-class _Names:
-    """Fresh Var/op names, unique in the Program (one set, instead of a Program scan per name)."""
-
-    def __init__(self, program: Program):
-        self.taken = {v.name for v in program.all_vars()} | {op.name for _, op in program.walk_ops()}
-
-    def fresh(self, base: str) -> str:
-        name, i = base, 0
-        while name in self.taken:
-            i += 1
-            name = f"{base}_{i}"
-        self.taken.add(name)
-        return name
 
 
 def _trace_reference(program: Program, block: Block, op: Op) -> tuple[torch.fx.GraphModule, list[str]]:
@@ -67,7 +63,7 @@ def _results(gm: torch.fx.GraphModule, count: int) -> list[Any]:
     return values
 
 
-def lower_op(program: Program, block: Block, op: Op, names: _Names) -> list[Op]:
+def lower_op(program: Program, block: Block, op: Op, names: Names) -> list[Op]:
     """The aten ops computing `op`'s outputs; new temporaries are added to `block`."""
     if op.type == CONDITIONAL_BLOCK:
         raise PassError(f"cannot lower {op.name!r} to aten: control flow (a conditional block) cannot be exported")
@@ -140,7 +136,7 @@ class LowerToAten:
 
     def run(self, program: Program, config: Any) -> tuple[Program, PassReport]:
         report = PassReport(self.name)
-        names = _Names(program)
+        names = Names(program)
         for block in program.blocks:
             ops: list[Op] = []
             for op in block.ops:
