@@ -14,60 +14,32 @@ fleetc extensions over Paddle: ``recompute_configs.checkpoints`` may be ``"auto"
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
+from fleetc.strategy.field_types import (  # noqa: F401  (re-exported: the table's building blocks)
+    BOOL,
+    COUNT,
+    NAMES,
+    NON_NEGATIVE,
+    POSITIVE,
+    SIZE,
+    Field,
+    FieldOrSection,
+    Section,
+    flag,
+)
 from fleetc.strategy.kinds import (
-    Bool,
     Bounds,
     Checkpoints,
     Choice,
     Float,
     Int,
-    Kind,
     ListOf,
     Nullable,
 )
-
-
-@dataclass(frozen=True)
-class Field:
-    """One setting: its name, kind (type and range), default and a one-line meaning."""
-
-    name: str
-    kind: Kind
-    default: Any
-    doc: str
-    aliases: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Section:
-    """A named group of fields.
-
-    ``as_object`` False: a ``*_configs`` dict (read as a copy, assigned as a dict that merges).
-    ``as_object`` True: an object with attributes, like ``build_strategy``.
-    """
-
-    name: str
-    fields: tuple[Field, ...]
-    doc: str
-    as_object: bool = False
-
-
-FieldOrSection = Field | Section
-
-BOOL = Bool()
-COUNT = Int(Bounds(ge=1))           # how many of something; at least one
-SIZE = Int(Bounds(ge=0))            # a size that may be zero
-POSITIVE = Float(Bounds(gt=0))
-NON_NEGATIVE = Float(Bounds(ge=0))
-NAMES = ListOf(str)
-
-
-def flag(name: str, doc: str, default: bool = False) -> Field:
-    return Field(name, BOOL, default, doc)
-
+from fleetc.strategy.paddle_only import (
+    extended_section,
+    paddle_only_paths,
+    with_paddle_fields,
+)
 
 RECOMPUTE_CONFIGS = Section("recompute_configs", (
     Field("checkpoints", Checkpoints(), (),
@@ -235,9 +207,7 @@ NEW_STYLE: tuple[tuple[str, bool, tuple[tuple[str, str | Field], ...]], ...] = (
 )
 
 # Paddle proto fields fleetc accepts with Paddle's defaults and reports as not applied, so that a prototxt Paddle
-# wrote loads (fleetc/strategy/paddle_only.py; imported here, after the tables it extends).
-from fleetc.strategy.paddle_only import extended_section, paddle_only_paths, with_paddle_fields  # noqa: E402
-
+# wrote loads (fleetc/strategy/paddle_only.py).
 BUILD_STRATEGY = extended_section(BUILD_STRATEGY)
 DISTRIBUTED = with_paddle_fields(DISTRIBUTED)
 PADDLE_ONLY_PATHS = paddle_only_paths()

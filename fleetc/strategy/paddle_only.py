@@ -12,7 +12,16 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from fleetc.strategy.fields import BOOL, COUNT, NAMES, SIZE, Field, FieldOrSection, Section, flag
+from fleetc.strategy.field_types import (
+    BOOL,
+    COUNT,
+    NAMES,
+    SIZE,
+    Field,
+    FieldOrSection,
+    Section,
+    flag,
+)
 from fleetc.strategy.kinds import Bounds, Choice, Int, ListOf
 
 _FROM = Int(Bounds(ge=-1))  # -1 means "not set" in these Paddle fields

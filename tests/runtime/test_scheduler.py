@@ -100,7 +100,7 @@ def test_an_error_in_a_worker_names_the_op_and_source_and_leaves_no_thread_runni
     assert "user source: " in message and "zoo.py:" in message
     assert isinstance(info.value.__cause__, RuntimeError)
     assert threading.active_count() == before
-    assert not [t for t in threading.enumerate() if t.name.startswith("fleetc-")]
+    assert not [t for t in threading.enumerate() if t.name.startswith(("fleetc-worker-", "fleetc-comm"))]
 
 
 @pytest.mark.parametrize("num_threads", [1, 2])
