@@ -15,7 +15,7 @@ from fleetc.comm.env import world_size
 from fleetc.compiler import CompiledTrainer
 from fleetc.errors import ExportError
 from fleetc.ir.program import Program
-from fleetc.passes.order import ordered_passes, strategy_requests_without_pass
+from fleetc.passes.order import ordered_passes
 from fleetc.runtime.export import example_inputs
 from fleetc.strategy.names import closest
 
@@ -85,23 +85,15 @@ def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def full_weights(trainer: CompiledTrainer, notes: list[str]) -> dict[str, torch.Tensor]:
-    """The complete trained weights. The hook where pipeline parallelism (and sharding stage 3, once it partitions
-    parameters) gathers the parts each rank holds: until then every rank holds the whole model."""
+    """The complete trained weights. The hook where pipeline parallelism across processes (and sharding stage 3, once
+    it partitions parameters) will gather the parts each rank holds; until then such an export is refused."""
     config = trainer.config
     if config.sharding and config.sharding_configs.stage >= 3:
         notes.append("sharding stage 3 keeps every parameter whole on every rank in this version (parameter "
                      "sharding is not built), so the weights are complete")
-    # a pipeline run in one process (every stage a thread) updates the whole model
-    partitioning = {"pipeline": config.pipeline and world_size() > 1}
-    pending = strategy_requests_without_pass(config)
-    for name, on in partitioning.items():
-        if not on:
-            continue
-        if name not in pending:
-            raise ExportError(f"save_inference_model under {name}: each rank holds part of the weights, and "
-                              "gathering them for export is not implemented yet")
-        notes.append(f"{name} was not applied in training ({pending[name]}), so the weights are complete on "
-                     "every rank")
+    if config.pipeline and world_size() > 1:  # a pipeline run in one process updates the whole model
+        raise ExportError("save_inference_model under pipeline with one process per stage: each rank holds part of "
+                          "the weights, and gathering them for export is not implemented yet")
     return model_state(trainer.model)
 
 

@@ -223,8 +223,8 @@ def test_a_model_that_cannot_be_exported_names_the_construct_and_the_line(tmp_pa
 
 
 def test_sharding_stage3_and_pipeline_hook(tmp_path, monkeypatch):
-    """Sharding stage 3 keeps parameters whole today, and pipeline is not applied: exported, with a note. Once the
-    pipeline pass runs, the hook refuses until gathering is built."""
+    """Sharding stage 3 keeps parameters whole today: exported, with a note. A pipeline with one process per stage
+    holds part of the weights on each rank, so export refuses until gathering is built."""
     strategy = fleetc.DistributedStrategy()
     strategy.sharding = True
     strategy.sharding_configs = {"stage": 3}
@@ -234,10 +234,13 @@ def test_sharding_stage3_and_pipeline_hook(tmp_path, monkeypatch):
     assert any(note.startswith("sharding stage 3 keeps") for note in result.meta["notes"])
     strategy = fleetc.DistributedStrategy()
     strategy.pipeline = True
+    strategy.pipeline_configs = {"micro_batch_size": 8, "accumulate_steps": 2}  # the zoo mlp's batch of 16
+    strategy.hybrid_configs = {"pp_degree": 2}
     trainer, (x,), _ = trained(ZOO["mlp"], strategy, steps=1)
-    monkeypatch.setattr(export_sources, "strategy_requests_without_pass", lambda config: {})
-    with pytest.raises(fleetc.ExportError, match="under pipeline: each rank holds part of the weights"):
-        inference.save_inference_model(trainer, str(tmp_path / "m2"), "x", "output")
+    inference.save_inference_model(trainer, str(tmp_path / "m2"), "x", "output")  # one process: the whole model
+    monkeypatch.setattr(export_sources, "world_size", lambda: 2)
+    with pytest.raises(fleetc.ExportError, match="under pipeline with one process per stage"):
+        inference.save_inference_model(trainer, str(tmp_path / "m3"), "x", "output")
 
 
 def test_export_before_anything_was_compiled_says_what_to_do(tmp_path):
