@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from ranks import launch_ranks  # bench/ranks.py (the script's folder is on sys.path)
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -124,24 +123,6 @@ def worker(options: argparse.Namespace) -> None:
     fleet.stop_worker()
 
 
-def launch(argv: list[str], world: int) -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), FLEETC_COLLECTIVE_TIMEOUT="120")
-        procs.append(subprocess.Popen([sys.executable, __file__, *argv], env=env))
-    try:
-        return max(p.wait(timeout=900) for p in procs)
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        print("bench/sharding.py: ranks did not finish within 900 s", file=sys.stderr)
-        return 1
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=2)
@@ -152,7 +133,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10)
     options = parser.parse_args()
     if "RANK" not in os.environ:
-        return launch(sys.argv[1:], options.world)
+        return launch_ranks(__file__, sys.argv[1:], options.world)
     worker(options)
     return 0
 
