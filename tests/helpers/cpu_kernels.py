@@ -1,4 +1,4 @@
-"""Shared setup for the CPU backend's tests: one kernel cache per session, and running one fused op's C++ kernel.
+"""Shared setup for the CPU backend's tests: one kernel cache per session, and running one op's C++ kernel.
 
 `cpu_kernel(op_type, args, kwargs)` plans the op from the given tensors (as the backend plans it from a Program's
 Vars), builds its kernels synchronously and returns the bound callable with the reference's signature, so each
@@ -14,7 +14,7 @@ import torch
 from fleetc.codegen.cpu import backend
 from fleetc.codegen.cpu.plan import CpuPlan
 from fleetc.ir.program import Op, Ref, Var
-from fleetc.ir.registry import import_target, op_def
+from fleetc.ir.registry import import_target, resolve_callable
 
 
 def _dtype_name(t: torch.Tensor) -> str:
@@ -38,7 +38,7 @@ def plan_for(op_type: str, args: tuple, kwargs: dict | None = None) -> CpuPlan:
             op_args.append(arg)
             inputs.append(None)
     op = Op("probe", op_type, tuple(op_args), dict(kwargs or {}), outputs=["out"])
-    return import_target(op_def(op_type).cpu_kernel)(op, inputs)
+    return import_target(backend.planner_of(op_type))(op, inputs)
 
 
 def cpu_kernel(op_type: str, args: tuple, kwargs: dict | None = None) -> Callable[..., Any]:
@@ -56,7 +56,7 @@ def run_both(op_type: str, args: tuple, kwargs: dict | None = None, seed: int = 
     torch.manual_seed(seed)
     got = kernel(*got_args, **kwargs)
     torch.manual_seed(seed)
-    want = op_def(op_type).reference(*want_args, **kwargs)
+    want = resolve_callable(op_type)(*want_args, **kwargs)
     return got, want, list(got_args), list(want_args)
 
 

@@ -1,4 +1,5 @@
-"""The CPU backend for one Program: plans every fused op, builds their kernels in parallel, switches ops over.
+"""The CPU backend for one Program: plans every fused op and the row-wise aten ops of ATEN_PLANNERS, builds
+their kernels in parallel, switches ops over.
 
 `prepare(program, mode)` plans each op whose type declares a CPU planner and returns `CpuKernels`: a callable
 per planned op (by op name) for the runtime to call in place of the op type's function, and `usage`, which
@@ -28,6 +29,16 @@ from fleetc.ir.program import Op, Program, Ref
 from fleetc.ir.registry import import_target, op_def, registered_ops, resolve_callable
 
 MODES = ("off", "background", "sync")
+
+# aten ops that have a CPU kernel too (fleetc ops declare theirs where they are registered).
+ATEN_PLANNERS = {
+    "aten.native_layer_norm.default": "fleetc.codegen.cpu.rows:plan_layer_norm",
+    "aten.native_layer_norm_backward.default": "fleetc.codegen.cpu.rows:plan_layer_norm_backward",
+    "aten._softmax.default": "fleetc.codegen.cpu.rows:plan_softmax",
+    "aten._softmax_backward_data.default": "fleetc.codegen.cpu.rows:plan_softmax_backward",
+    "aten._log_softmax.default": "fleetc.codegen.cpu.rows:plan_log_softmax",
+    "aten._log_softmax_backward_data.default": "fleetc.codegen.cpu.rows:plan_log_softmax_backward",
+}
 ENV_MODE = "FLEETC_CPU_KERNELS"
 
 
@@ -73,7 +84,7 @@ class KernelUsage:
 
     def lines(self) -> list[str]:
         if not self.ops:
-            return [f"cpu kernels ({self.mode}): no fused op in the Program has a CPU kernel"]
+            return [f"cpu kernels ({self.mode}): no op in the Program has a CPU kernel"]
         counts: dict[str, int] = {}
         for name in self.ops:
             counts[self.implementation(name)] = counts.get(self.implementation(name), 0) + 1
@@ -146,11 +157,18 @@ def build_async(kernel: CppKernel) -> Future:
         return future
 
 
+def planner_of(op_type: str) -> str | None:
+    """The "module:function" planning `op_type`'s CPU kernel, or None."""
+    if op_type.startswith("fleetc."):
+        return op_def(op_type).cpu_kernel
+    return ATEN_PLANNERS.get(op_type)
+
+
 def plan_op(op: Op, program: Program, block_idx: int) -> CpuPlan:
     """The CPU plan of one op (Unsupported when its type has no planner or the planner refuses it).
 
     The planner gets, per positional argument, its Var (a list of Vars for a list of tensors, None otherwise)."""
-    target = op_def(op.type).cpu_kernel
+    target = planner_of(op.type)
     if target is None:
         raise Unsupported(f"{op.type} has no CPU kernel")
 
@@ -171,7 +189,7 @@ def plan_op(op: Op, program: Program, block_idx: int) -> CpuPlan:
 
 def planned_ops(program: Program) -> list[tuple[Op, CpuPlan | Unsupported]]:
     """Every op of a type with a CPU planner, in program order, with its plan or the reason it has none."""
-    with_planner = {name for name, d in registered_ops().items() if d.cpu_kernel}
+    with_planner = {name for name, d in registered_ops().items() if d.cpu_kernel} | set(ATEN_PLANNERS)
     found: list[tuple[Op, CpuPlan | Unsupported]] = []
     for block, op in program.walk_ops():
         if op.type in with_planner:
