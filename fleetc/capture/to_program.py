@@ -16,6 +16,7 @@ from torch._functorch._aot_autograd.descriptors import (
 )
 
 from fleetc.capture.fp16_guard import ATTR as FP16_GUARD
+from fleetc.capture.fx_args import map_node_args
 from fleetc.capture.dynamic import SymbolTable
 from fleetc.capture.step_module import MODEL_ATTR
 from fleetc.capture.trace import user_frame_from_stack_trace
@@ -138,16 +139,11 @@ class _Converter:
         self.env[node] = Ref(var.name)
 
     def arg(self, value: Any) -> Any:
-        if isinstance(value, torch.fx.Node):
-            ref = self.env[value]
-            if ref == "tangent":
-                return Ref(grad_name(LOSS_VAR))
-            return ref
-        if isinstance(value, (list, tuple)):
-            return [self.arg(v) for v in value]
-        if isinstance(value, dict):
-            return {k: self.arg(v) for k, v in value.items()}
-        return value
+        return map_node_args(value, self._ref)
+
+    def _ref(self, node: torch.fx.Node) -> Any:
+        ref = self.env[node]
+        return Ref(grad_name(LOSS_VAR)) if ref == "tangent" else ref
 
     def attrs(self, node: torch.fx.Node) -> dict:
         backward = node.meta.get("partitioner_tag") == "is_backward"

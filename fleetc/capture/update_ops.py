@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import torch
 
+from fleetc.capture.fx_args import map_node_args
 from fleetc.capture.optimizer_trace import TracedUpdate
 from fleetc.errors import UnsupportedOptimizerError
 from fleetc.ir.liveness import aliased_input, written_arguments
@@ -84,11 +85,7 @@ class UpdateBuilder:
             env[node] = Ref(hypers(key)) if node.users else None
 
         def arg(value: Any) -> Any:
-            if isinstance(value, torch.fx.Node):
-                return env[value]
-            if isinstance(value, (list, tuple)):
-                return [arg(v) for v in value]
-            return value
+            return map_node_args(value, env.__getitem__)
 
         for node in graph.nodes:
             if node.op == "get_attr":

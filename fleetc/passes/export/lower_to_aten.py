@@ -13,6 +13,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from fleetc.capture.fx_args import map_node_args
 from fleetc.errors import PassError
 from fleetc.ir.program import (
     CONDITIONAL_BLOCK,
@@ -83,11 +84,7 @@ def lower_op(program: Program, block: Block, op: Op, names: Names) -> list[Op]:
     lowered: list[Op] = []
 
     def arg(value: Any) -> Any:
-        if isinstance(value, torch.fx.Node):
-            return env[value]
-        if isinstance(value, (list, tuple)):
-            return [arg(v) for v in value]
-        return value
+        return map_node_args(value, env.__getitem__)
 
     def var_for(node: torch.fx.Node) -> str:
         if node in bound:
