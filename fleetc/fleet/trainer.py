@@ -19,10 +19,17 @@ from fleetc.fleet.sharding_memory import per_rank_bytes
 from fleetc.ir.program import Program
 from fleetc.passes.manager import History
 from fleetc.passes.optimizers import GradClip
+from fleetc.passes.pipeline_parallel.stages import pipeline_stages, pipelined
 from fleetc.passes.recompute import RecomputePolicy
 from fleetc.passes.sharding.optimizer_sharding import RS_WAIT
 from fleetc.report import CompileReport
-from fleetc.runtime.checkpoint import TrainerState, load_checkpoint, rng_state, save_checkpoint
+from fleetc.runtime.checkpoint import (
+    TrainerState,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+)
+from fleetc.runtime.pipeline_local import PipelineExecutor, make_pipeline
 from fleetc.runtime.step_cache import DEFAULT_CACHE_LIMIT
 
 
@@ -91,8 +98,12 @@ class DataParallelTrainer(CompiledTrainer):
             broadcast_state(model)
 
     def _optimize(self, program: Program, capture_seconds: float) -> tuple[Program, History, CompileReport]:
+        if pipelined(program, self.config):  # the stage count of device_guard is known now
+            self.mesh, _ = resolve_mesh(self.config, self.world_size, pipeline_stages(program))
         # the ranks that hold the same stage average gradients; pipeline stages are the other ranks
         program.metadata["data_parallel"] = {"world_size": self.world_size // self.mesh.pp}
+        if self.mesh.pp > 1:
+            program.metadata["data_parallel"]["groups"] = self.mesh.groups("dp")
         if self.config.sharding and self.world_size > 1:
             program.metadata["sharding"] = sharding_metadata(self.mesh, env.rank())
         return super()._optimize(program, capture_seconds)
@@ -102,8 +113,9 @@ class DataParallelTrainer(CompiledTrainer):
         if self.world_size > 1 and kind == "train":
             # The plan check first: a dead rank or a disagreement fails here, cleanly, before group creation waits.
             check_plans_agree(compiled.program, {"the optimizer's settings": optimizer_settings(self.optimizer)})
+            pipeline_group = {"pp": self.mesh.groups("pp")} if compiled.pipeline is not None else {}
             try:
-                groups.ensure_groups(compiled.program.metadata.get("collective_groups", {}))
+                groups.ensure_groups({**compiled.program.metadata.get("collective_groups", {}), **pipeline_group})
             except (RuntimeError, dist.DistError) as exc:
                 raise collective_failed("process group creation", exc,
                                         env.collective_timeout().total_seconds()) from exc
@@ -111,6 +123,13 @@ class DataParallelTrainer(CompiledTrainer):
             if self._owned is not None:
                 drop_foreign_state(self.optimizer, self.model, self._owned)  # e.g. loaded from a checkpoint
         return compiled
+
+    def _make_pipeline(self, program: Program) -> PipelineExecutor:
+        """This process's rank of its pipeline group (the mesh's pp axis), over torch.distributed."""
+        if self.world_size == 1:
+            return super()._make_pipeline(program)
+        return make_pipeline(program, self.model, self.optimizer, self.counters, self.cpu_kernels,
+                             self.mesh.group_of("pp", env.rank()), "pp")
 
     def memory_stats(self) -> dict[str, Any]:
         """The static estimate; under sharding also `sharding`: this rank's parameter, gradient and optimizer-state

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fleetc.comm import groups
+from fleetc.comm.env import collective_timeout
 from fleetc.comm.p2p import DistributedChannel, LocalChannel, LocalMailbox, use_channel
 from fleetc.comm.plan import check_ranks_agree
 from fleetc.errors import StrategyError
@@ -165,19 +167,27 @@ class LocalPipeline(PipelineExecutor):
 
 
 class DistributedPipeline(PipelineExecutor):
-    """This process's pipeline rank (its torch.distributed rank; the job holds exactly the pipeline ranks). Every
-    rank calls `step` with the same batch; every rank returns the same loss, broadcast from the last stage."""
+    """This process's pipeline rank. `pp_ranks` are the global ranks of this process's pipeline group, in stage
+    order (default: the whole job is one pipeline); `group` is that group's name among the runtime's communicator
+    groups (`fleetc.comm.groups`; None: the default group). Every rank of a pipeline calls `step` with the same
+    batch; every rank returns the same loss, broadcast from the last stage."""
 
     def __init__(self, program: Program, plan: PipelinePlan, schedule: Schedule, model: nn.Module,
                  optimizer: torch.optim.Optimizer, *, timeout_s: float = 60.0, cpu_kernels: str | None = "off",
-                 counters: dict[str, torch.Tensor] | None = None):
+                 counters: dict[str, torch.Tensor] | None = None, pp_ranks: list[int] | None = None,
+                 group: str | None = None):
         import torch.distributed as dist
 
-        if dist.get_world_size() != schedule.ranks:
+        if pp_ranks is None and dist.get_world_size() != schedule.ranks:
             raise StrategyError(f"the pipeline has {schedule.ranks} ranks but the job has {dist.get_world_size()} "
-                                "processes (pipeline with data parallel is not built yet)")
-        super().__init__(program, plan, schedule, model, optimizer, [dist.get_rank()], cpu_kernels=cpu_kernels,
-                         counters=counters)
+                                "processes and no pipeline group was given (the data-parallel trainer gives it)")
+        self.pp_ranks = list(range(dist.get_world_size())) if pp_ranks is None else list(pp_ranks)
+        if len(self.pp_ranks) != schedule.ranks or dist.get_rank() not in self.pp_ranks:
+            raise StrategyError(f"the pipeline has {schedule.ranks} ranks but rank {dist.get_rank()}'s pipeline "
+                                f"group is {self.pp_ranks}")
+        super().__init__(program, plan, schedule, model, optimizer, [self.pp_ranks.index(dist.get_rank())],
+                         cpu_kernels=cpu_kernels, counters=counters)
+        self.group = group
         self.timeout_s = timeout_s
         self.checked = False
         self.last_wait_s = 0.0  # of the last step: time blocked on P2P (what bench/pipeline.py reports as idle)
@@ -193,14 +203,14 @@ class DistributedPipeline(PipelineExecutor):
             self.checked = True
         step = self._prepare(args)
         rank = self.ranks_here[0]
-        channel = DistributedChannel(self.schedule.rank_of, self.timeout_s)
+        channel = DistributedChannel(lambda s: self.pp_ranks[self.schedule.rank_of(s)], self.timeout_s)
         self._run_rank(rank, channel, step)
         channel.finish()
         self.last_wait_s = channel.waited_s
         last = self.schedule.rank_of(self.schedule.stages - 1)
         loss = (torch.stack([step.losses[i] for i in range(self.schedule.microbatches)]).mean() if rank == last
                 else torch.zeros(()))
-        dist.broadcast(loss, src=last)
+        dist.broadcast(loss, src=self.pp_ranks[last], group=None if self.group is None else groups.group(self.group))
         return loss
 
 
@@ -224,11 +234,15 @@ def first_microbatch(args: tuple, kwargs: dict, micro_batch_size: int, microbatc
 
 
 def make_pipeline(program: Program, model: nn.Module, optimizer: torch.optim.Optimizer,
-                  counters: dict[str, torch.Tensor], cpu_kernels: str | None) -> PipelineExecutor:
-    """The executor `step()` uses for a Program the pipeline pass planned: every pipeline rank in this process.
-    (Under torch.distributed the data-parallel passes put collectives in the Program first, which the split
-    refuses; wiring the mesh's pp axis into them is what `DistributedPipeline` in `step()` waits for.)"""
+                  counters: dict[str, torch.Tensor], cpu_kernels: str | None, pp_ranks: list[int] | None = None,
+                  group: str | None = None) -> PipelineExecutor:
+    """The executor `step()` uses for a Program the pipeline pass planned: every pipeline rank in this process, or,
+    given this process's pipeline group (`pp_ranks`, global ranks in stage order, named `group`), its own rank of
+    it over torch.distributed."""
     from fleetc.passes.pipeline_parallel.split import pipeline_plan
 
     plan, schedule = pipeline_plan(program)
-    return LocalPipeline(program, plan, schedule, model, optimizer, cpu_kernels=cpu_kernels, counters=counters)
+    if pp_ranks is None:
+        return LocalPipeline(program, plan, schedule, model, optimizer, cpu_kernels=cpu_kernels, counters=counters)
+    return DistributedPipeline(program, plan, schedule, model, optimizer, cpu_kernels=cpu_kernels, counters=counters,
+                               pp_ranks=pp_ranks, group=group, timeout_s=collective_timeout().total_seconds())

@@ -50,6 +50,66 @@ def test_two_stage_gpt_over_gloo_matches_eager(mode, tmp_path):
     assert "tok.weight" in results[0].result["params"] and "tok.weight" in results[1].result["params"]  # tied
 
 
+def _fleet_reference(zoo_name: str, stages: int, microbatches: int) -> tuple[list[float], dict]:
+    """Eager PyTorch on one process: per step, one update on the mean loss over the global batch's micro-batches
+    (every replica's micro-batches: the replicas' average gradient is the gradient of that mean)."""
+    make, optimizer_name = STAGED[zoo_name]
+    torch.manual_seed(0)
+    model = make(stages)
+    optimizer = OPTIMIZERS[optimizer_name](model.parameters())
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(STEPS):
+        batch, _ = ZOO[zoo_name].make_batch(g)
+        losses.append(eager_accumulating_step(model, optimizer, ZOO[zoo_name].loss_fn, batch, microbatches))
+    return losses, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _check_fleet_run(results: list, zoo_name: str, stages: int, microbatches: int) -> None:
+    replicas = len(results) // stages
+    for r in results:
+        assert r.returncode == 0, r.output[-3000:]
+    losses, params = _fleet_reference(zoo_name, stages, replicas * microbatches)
+    held: dict[str, set] = {}
+    for r in results:
+        assert r.result["executor"] == "DistributedPipeline" and "pipeline_split" not in r.result["skipped"]
+        assert r.result["mesh"].startswith(f"dp={replicas} × pp={stages}")
+        pipeline = results[r.rank - r.rank % stages: r.rank - r.rank % stages + stages]
+        assert all(p.result["losses"] == r.result["losses"] for p in pipeline)  # one loss per pipeline
+        for name, value in r.result["params"].items():
+            torch.testing.assert_close(value, params[name],
+                                       msg=lambda m, name=name, rank=r.rank: f"rank {rank} {name}: {m}")
+            held.setdefault(name, set()).add(r.rank)
+    assert set(held) == set(params)  # every parameter is some stage's
+    # each replica's loss is the mean over its own micro-batches; their mean is the reference's
+    replica_losses = torch.tensor([results[d * stages].result["losses"] for d in range(replicas)])
+    torch.testing.assert_close(replica_losses.mean(0), torch.tensor(losses, dtype=replica_losses.dtype))
+
+
+FLEET_CASES = [("gpt", "1F1B"), ("cnn", "FThenB")] + ([("gpt", "FThenB"), ("cnn", "1F1B")]
+                                                        if os.environ.get("FLEETC_FULL") else [])
+
+
+@pytest.mark.parametrize("zoo_name, mode", FLEET_CASES)
+def test_fleet_compile_runs_one_stage_per_process(zoo_name, mode, tmp_path):
+    """fleet.init + distributed_optimizer + fleetc.compile with strategy.pipeline: one stage per process over gloo,
+    matching eager accumulation over the same micro-batches (GPT: tied embeddings on both stages)."""
+    args = {"model": zoo_name, "mode": mode, "microbatches": MICROBATCHES, "steps": STEPS, "stages": 2, "batch": 4}
+    results = spawn(2, "fleet_train", args, tmp_path, deadline_s=150, module="fleet.pipeline_workers")
+    _check_fleet_run(results, zoo_name, 2, MICROBATCHES)
+    if zoo_name == "gpt":
+        assert all("tok.weight" in r.result["params"] for r in results)  # tied: both stages hold it
+
+
+@pytest.mark.parametrize("zoo_name", ["gpt"] + (["cnn"] if os.environ.get("FLEETC_FULL") else []))
+def test_pipeline_times_data_parallel_on_four_processes(zoo_name, tmp_path):
+    """pp=2 × dp=2: each stage averages its summed gradients over its dp group ([0, 2] and [1, 3]); matches one
+    process accumulating over all four micro-batches."""
+    args = {"model": zoo_name, "mode": "1F1B", "microbatches": 2, "steps": STEPS, "stages": 2, "batch": 4}
+    results = spawn(4, "fleet_train", args, tmp_path, deadline_s=240, module="fleet.pipeline_workers")
+    _check_fleet_run(results, zoo_name, 2, 2)
+
+
 @pytest.mark.parametrize("fault", ["kill", "hang"])
 def test_dead_or_hung_stage_is_an_error_on_the_survivor(fault, tmp_path):
     results = spawn(2, "dead_stage", {"model": "gpt", "mode": "1F1B", "microbatches": MICROBATCHES, "fault": fault},

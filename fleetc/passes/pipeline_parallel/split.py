@@ -28,6 +28,7 @@ from fleetc.passes.pipeline_parallel.stages import (
     assign_stages,
     has_stage_annotations,
     is_optimize,
+    runs_whole,
 )
 
 
@@ -41,12 +42,9 @@ class PipelineSplit:
 
     def run(self, program: Program, config: Any) -> tuple[Program, PassReport]:
         report = PassReport(self.name)
-        if program.metadata.get("kind") == "eval":
-            report.skipped_reason = "an evaluation Program runs whole (forward-only pipelining is not built yet)"
-            return program, report
-        if not any(is_optimize(op) for _, op in program.walk_ops()):
-            report.skipped_reason = ("no optimizer update in the Program: pipelining needs fleetc.compile(optimizer=...) "
-                                     "(without one, gradients go to p.grad and the Program runs whole)")
+        whole = runs_whole(program)
+        if whole:
+            report.skipped_reason = whole
             return program, report
         if config.amp:
             raise PassStrategyError("pipeline with amp is not supported yet: found_inf and the loss-scaling state "
