@@ -251,6 +251,8 @@ class CompiledTrainer:
     # ----- running ---------------------------------------------------------------------------
     def _updates_this_step(self, compiled: CompiledStep) -> bool:
         """Whether this step runs the optimizer update (under gradient merge, every k-th step only)."""
+        if compiled.pipeline is not None:  # which merges gradients itself under gradient merge
+            return compiled.pipeline.updates_next_step
         merge = compiled.program.metadata.get("gradient_merge")
         if merge is None:
             return True

@@ -38,11 +38,14 @@ from fleetc.runtime.state import StateBinding
 
 
 class PipelineExecutor:
-    """The pipeline ranks `ranks_here` of a plan: their chunks' Executables and state, and one step's work."""
+    """The pipeline ranks `ranks_here` of a plan: their chunks' Executables and state, and one step's work.
+
+    With gradient merge (`k_steps` > 1) the gradient sums carry over k_steps steps and only the last runs the
+    optimizer actions, on the sums divided by k_steps when `merge_avg`: k_steps multiplies the update interval."""
 
     def __init__(self, program: Program, plan: PipelinePlan, schedule: Schedule, model: nn.Module,
                  optimizer: torch.optim.Optimizer, ranks_here: list[int], *, cpu_kernels: str | None = "off",
-                 counters: dict[str, torch.Tensor] | None = None):
+                 counters: dict[str, torch.Tensor] | None = None, k_steps: int = 1, merge_avg: bool = True):
         if schedule.stages != len(plan.stages):
             raise StrategyError(f"the schedule has {schedule.stages} chunks but the model has {len(plan.stages)} "
                                 "device_guard stages")
@@ -61,6 +64,20 @@ class PipelineExecutor:
                     if s not in self.holders.setdefault(var.name, []):
                         self.holders[var.name].append(s)
         self.copies: dict[tuple[int, str], torch.Tensor] = {}
+        self.k_steps, self.merge_avg = k_steps, merge_avg
+        self.steps_merged = 0  # steps whose gradients the carried sums hold
+        self._carried: dict[int, dict[str, torch.Tensor]] | None = None
+        self._period_flags: list = []
+
+    @property
+    def updates_next_step(self) -> bool:
+        """Whether the next step runs the optimizer update (every k_steps-th under gradient merge)."""
+        return (self.steps_merged + 1) % self.k_steps == 0
+
+    def _finish(self, step: _Step) -> None:
+        """After a step: keep its gradient sums for the next one, unless it updated."""
+        self.steps_merged = 0 if step.update else self.steps_merged + 1
+        self._carried = None if step.update else step.sums
 
     def _chunk_state(self, resolved: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
         states: dict[int, dict[str, torch.Tensor]] = {s: {} for s in self.chunks}
@@ -78,6 +95,16 @@ class PipelineExecutor:
         return max((float((copy - resolved[name].detach()).abs().max()) for (_, name), copy in self.copies.items()),
                    default=0.0)
 
+    def _hyper_values(self) -> list:
+        """The optimizer's values for this step. Under gradient merge, the flags saying that a piece of optimizer
+        state does not exist yet (momentum's fresh buffer) are those of the merge period's first step: the state
+        binding creates the state on that step, but no update has run on it until the period's last."""
+        values = self.hyper.values()
+        if self._carried is None:
+            self._period_flags = values
+            return values
+        return [first if isinstance(first, bool) else now for first, now in zip(self._period_flags, values)]
+
     def _microbatches(self, args: tuple) -> list[dict[str, torch.Tensor]]:
         m = self.schedule.microbatches
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
@@ -93,21 +120,23 @@ class PipelineExecutor:
 
     def _prepare(self, args: tuple) -> _Step:
         batches = self._microbatches(args)
-        hyper = dict(zip(self.hyper_names, self.hyper.values()))
+        hyper = dict(zip(self.hyper_names, self._hyper_values()))
         return _Step(self._chunk_state(self.binding.resolve()), hyper,
                      {(s, i): dict(batches[i]) for s in self.chunks for i in range(len(batches))},
-                     {s: {} for s in self.chunks}, {})
+                     self._carried or {s: {} for s in self.chunks}, {}, self.updates_next_step)
 
     def _run_rank(self, rank: int, channel: Any, step: _Step) -> None:
         with use_channel(channel):
             for action in self.schedule.actions[rank]:
                 if action.kind in COMPUTE_KINDS:
                     self._compute(action, channel, step)
-                elif action.kind == OPTIMIZER:
+                elif action.kind == OPTIMIZER and step.update:
+                    scale = self.k_steps if self.merge_avg else 1
                     for s in range(rank, self.schedule.stages, self.schedule.ranks):
                         channel.stage, channel.microbatch = s, -1
                         exe = self.executables[s]["optimizer"]
-                        values = {**step.hyper, **step.sums[s]}
+                        sums = {n: g / scale for n, g in step.sums[s].items()} if scale > 1 else step.sums[s]
+                        values = {**step.hyper, **sums}
                         exe.run(step.states[s], [values[n] for n in exe.program.feeds])
 
     def _compute(self, action: Action, channel: Any, step: _Step) -> None:
@@ -129,10 +158,11 @@ class PipelineExecutor:
 
 class _Step:
     """One step's working set: per-chunk state, hyperparameters, per-(chunk, micro-batch) values, gradient sums
-    per chunk, and the last stage's micro-batch losses."""
+    per chunk, the last stage's micro-batch losses, and whether the step runs the optimizer update."""
 
-    def __init__(self, states: dict, hyper: dict, env: dict, sums: dict, losses: dict):
+    def __init__(self, states: dict, hyper: dict, env: dict, sums: dict, losses: dict, update: bool):
         self.states, self.hyper, self.env, self.sums, self.losses = states, hyper, env, sums, losses
+        self.update = update
 
 
 class LocalPipeline(PipelineExecutor):
@@ -140,9 +170,9 @@ class LocalPipeline(PipelineExecutor):
 
     def __init__(self, program: Program, plan: PipelinePlan, schedule: Schedule, model: nn.Module,
                  optimizer: torch.optim.Optimizer, *, timeout_s: float = 60.0, cpu_kernels: str | None = "off",
-                 counters: dict[str, torch.Tensor] | None = None):
+                 counters: dict[str, torch.Tensor] | None = None, k_steps: int = 1, merge_avg: bool = True):
         super().__init__(program, plan, schedule, model, optimizer, list(range(schedule.ranks)),
-                         cpu_kernels=cpu_kernels, counters=counters)
+                         cpu_kernels=cpu_kernels, counters=counters, k_steps=k_steps, merge_avg=merge_avg)
         self.timeout_s = timeout_s
 
     def step(self, *args: Any) -> torch.Tensor:
@@ -163,6 +193,7 @@ class LocalPipeline(PipelineExecutor):
             t.join()
         if errors:
             raise errors[0]
+        self._finish(step)
         return torch.stack([step.losses[i] for i in range(self.schedule.microbatches)]).mean()
 
 
@@ -175,7 +206,7 @@ class DistributedPipeline(PipelineExecutor):
     def __init__(self, program: Program, plan: PipelinePlan, schedule: Schedule, model: nn.Module,
                  optimizer: torch.optim.Optimizer, *, timeout_s: float = 60.0, cpu_kernels: str | None = "off",
                  counters: dict[str, torch.Tensor] | None = None, pp_ranks: list[int] | None = None,
-                 group: str | None = None):
+                 group: str | None = None, k_steps: int = 1, merge_avg: bool = True):
         import torch.distributed as dist
 
         if pp_ranks is None and dist.get_world_size() != schedule.ranks:
@@ -186,7 +217,7 @@ class DistributedPipeline(PipelineExecutor):
             raise StrategyError(f"the pipeline has {schedule.ranks} ranks but rank {dist.get_rank()}'s pipeline "
                                 f"group is {self.pp_ranks}")
         super().__init__(program, plan, schedule, model, optimizer, [self.pp_ranks.index(dist.get_rank())],
-                         cpu_kernels=cpu_kernels, counters=counters)
+                         cpu_kernels=cpu_kernels, counters=counters, k_steps=k_steps, merge_avg=merge_avg)
         self.group = group
         self.timeout_s = timeout_s
         self.checked = False
@@ -206,6 +237,7 @@ class DistributedPipeline(PipelineExecutor):
         channel = DistributedChannel(lambda s: self.pp_ranks[self.schedule.rank_of(s)], self.timeout_s)
         self._run_rank(rank, channel, step)
         channel.finish()
+        self._finish(step)
         self.last_wait_s = channel.waited_s
         last = self.schedule.rank_of(self.schedule.stages - 1)
         loss = (torch.stack([step.losses[i] for i in range(self.schedule.microbatches)]).mean() if rank == last
@@ -242,7 +274,10 @@ def make_pipeline(program: Program, model: nn.Module, optimizer: torch.optim.Opt
     from fleetc.passes.pipeline_parallel.split import pipeline_plan
 
     plan, schedule = pipeline_plan(program)
+    meta = program.metadata["pipeline"]
+    merge = {"k_steps": meta.get("k_steps", 1), "merge_avg": meta.get("merge_avg", True)}
     if pp_ranks is None:
-        return LocalPipeline(program, plan, schedule, model, optimizer, cpu_kernels=cpu_kernels, counters=counters)
+        return LocalPipeline(program, plan, schedule, model, optimizer, cpu_kernels=cpu_kernels, counters=counters,
+                             **merge)
     return DistributedPipeline(program, plan, schedule, model, optimizer, cpu_kernels=cpu_kernels, counters=counters,
-                               pp_ranks=pp_ranks, group=group, timeout_s=collective_timeout().total_seconds())
+                               pp_ranks=pp_ranks, group=group, timeout_s=collective_timeout().total_seconds(), **merge)

@@ -38,7 +38,8 @@ class PipelineSplit:
     summary = "place ops on device_guard stages (or cut automatically), build per-stage Programs and the schedule"
     reads: tuple[str, ...] = ("pipeline", "pipeline_configs.micro_batch_size", "pipeline_configs.accumulate_steps",
                               "pipeline_configs.schedule_mode", "pipeline_configs.vpp_degree",
-                              "hybrid_configs.pp_degree")
+                              "hybrid_configs.pp_degree", "gradient_merge", "gradient_merge_configs.k_steps",
+                              "gradient_merge_configs.avg")
 
     def run(self, program: Program, config: Any) -> tuple[Program, PassReport]:
         report = PassReport(self.name)
@@ -69,9 +70,15 @@ class PipelineSplit:
         plan = partition(program, microbatches)
         simulation = simulate(schedule)
         _annotate(program, plan)
+        merge = config.gradient_merge_configs if config.gradient_merge else None
         program.metadata["pipeline"] = {"stages": stages, "microbatches": microbatches,
                                         "schedule_mode": pipe.schedule_mode, "vpp_degree": pipe.vpp_degree,
-                                        "bubble_fraction": round(simulation.bubble_fraction, 4)}
+                                        "bubble_fraction": round(simulation.bubble_fraction, 4),
+                                        "k_steps": merge.k_steps if merge else 1, "merge_avg": bool(merge and merge.avg)}
+        if merge:
+            report.notes.append(f"gradient merge: one update every {merge.k_steps} step() calls ({merge.k_steps} × "
+                                f"{microbatches} micro-batches), on the gradients "
+                                + ("averaged over" if merge.avg else "summed over") + " those calls")
         report.changed = True
         report.stats.update(stages=stages, microbatches=microbatches, shared_params=len(plan.shared),
                             boundary_values=sum(map(len, plan.activations)) + sum(map(len, plan.gradients)))

@@ -156,6 +156,47 @@ def test_compiled_step_runs_pipelined_and_matches_eager_accumulation(mode):
     assert "pipeline" not in trainer.report().skipped
 
 
+@pytest.mark.parametrize("avg", [True, False])
+def test_gradient_merge_multiplies_the_update_interval(avg):
+    """gradient_merge k_steps=2 with accumulate_steps=2: one update every 2 step() calls, on the gradients of the
+    4 micro-batches (averaged over the 2 calls with avg, summed without), as eager accumulation does."""
+    k_steps, m = 2, 2
+    torch.manual_seed(0)
+    model = StagedGPT(2)
+    reference = copy.deepcopy(model)
+    strategy = _strategy(accumulate_steps=m, micro_batch_size=2)
+    strategy.gradient_merge = True
+    strategy.gradient_merge_configs = {"k_steps": k_steps, "avg": avg}
+    trainer = fleetc.compile(model, strategy, optimizer=OPTIMIZERS["momentum"](model.parameters()),
+                             loss_fn=ZOO["gpt"].loss_fn)
+    reference_optimizer = OPTIMIZERS["momentum"](reference.parameters())
+    g = torch.Generator().manual_seed(1)
+    for step in range(2 * k_steps):
+        before = [p.detach().clone() for p in model.parameters()]
+        args, _ = ZOO["gpt"].make_batch(g)
+        loss = trainer.step(*args)
+        expected = 0.0
+        for micro in zip(*(a.chunk(m) for a in args)):
+            part = ZOO["gpt"].loss_fn(reference(micro[0]), micro[1]) / m
+            part.backward()
+            expected += part.item()
+        torch.testing.assert_close(loss, torch.tensor(expected), msg=lambda msg, step=step: f"step {step}: {msg}")
+        updates = (step + 1) % k_steps == 0
+        assert updates != all(torch.equal(p, q) for p, q in zip(before, model.parameters()))
+        if updates:
+            if avg:
+                for p in reference.parameters():
+                    p.grad /= k_steps
+            reference_optimizer.step()
+            reference_optimizer.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, msg=lambda msg, name=name: f"{name}: {msg}")
+    report = trainer.report()
+    assert report.skipped["gradient_merge"].startswith("pipeline: each stage keeps its gradient sums over 2")
+    assert any("gradient merge: one update every 2 step() calls" in n for n in report.notes["pipeline_split"])
+    assert any(d.startswith("gradient_merge: merged by the pipeline") for d in report.decisions)
+
+
 class Skip(nn.Module):
     """Stage 2 reads a value of stage 0 (a skip connection): it must be relayed through stage 1."""
 
