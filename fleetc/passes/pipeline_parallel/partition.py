@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from fleetc.errors import PassError
 from fleetc.ir.program import Block, Op, OpRole, Program, Ref, Var, VarKind
+from fleetc.passes.pipeline_parallel.clip import split_clip_ops
 from fleetc.passes.pipeline_parallel.replicas import (
     average_over_replicas,
     local_name,
@@ -35,6 +36,7 @@ from fleetc.passes.pipeline_parallel.replicas import (
 )
 from fleetc.passes.pipeline_parallel.stages import (
     StageMap,
+    annotated_stage,
     assign_stages,
     is_backward,
     is_forward,
@@ -104,6 +106,7 @@ def partition(program: Program, microbatches: int) -> PipelinePlan:
     shared = _split_shared_gradients(work, stage_map)
     stage_map = assign_stages(work)
     param_stages = _param_stages(work, stage_map, shared)
+    split_clip_ops(work, param_stages, stage_map.count)
     opt_stages = _optimizer_stages(work, stage_map, param_stages)
     count = stage_map.count
     st = stage_map.stage
@@ -258,11 +261,14 @@ def _optimizer_stages(program: Program, stage_map: StageMap, param_stages: dict[
         for name in op.inputs:
             readers.setdefault(name, []).append(op)
     for op in reversed(ops):
+        if annotated_stage(op) is not None:  # placed by the split already (clip.py)
+            placed[op.name] = {annotated_stage(op)}
+            continue
         touched = [n for n in [*op.inputs, *op.defined] if n in param_stages]
         stages = {s for n in touched for s in param_stages[n]}
         if touched and len({tuple(param_stages[n]) for n in touched}) > 1:
-            raise PassError(f"{where(op)} updates parameters of several pipeline stages at once (global-norm "
-                            "clipping or a fused update); it cannot be split across stages yet")
+            raise PassError(f"{where(op)} updates parameters of several pipeline stages at once (a fused "
+                            "update); it cannot be split across stages yet")
         if not stages:
             stages = {s for n in op.defined for r in readers.get(n, ()) for s in placed.get(r.name, ())}
         placed[op.name] = stages or set(range(stage_map.count))

@@ -21,6 +21,7 @@ from fleetc.errors import PassStrategyError, StrategyError
 from fleetc.ir.program import Program, VarKind
 from fleetc.passes.base import PassReport
 from fleetc.passes.pipeline_parallel.auto import auto_partition
+from fleetc.passes.pipeline_parallel.clip import SQUARED_NORM
 from fleetc.passes.pipeline_parallel.partition import PipelinePlan, partition
 from fleetc.passes.pipeline_parallel.schedule import Schedule, build_schedule
 from fleetc.passes.pipeline_parallel.simulate import simulate
@@ -67,6 +68,10 @@ class PipelineSplit:
         _check_batch(program, pipe.micro_batch_size)
         with _as_pass_error():
             schedule = _schedule(pipe.schedule_mode, stages, microbatches, pipe.vpp_degree)
+        if pipe.vpp_degree > 1 and any(op.type == SQUARED_NORM for op in program.global_block.ops):
+            raise PassStrategyError("global-norm gradient clipping with schedule_mode VPP is not supported yet: the "
+                                    "norm is summed over the chunks, and a rank holding several would wait on itself; "
+                                    "use 1F1B, FThenB or ZBH1, or ClipGradByNorm")
         plan = partition(program, microbatches)
         simulation = simulate(schedule)
         _annotate(program, plan)

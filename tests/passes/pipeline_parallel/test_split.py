@@ -197,6 +197,49 @@ def test_gradient_merge_multiplies_the_update_interval(avg):
     assert any(d.startswith("gradient_merge: merged by the pipeline") for d in report.decisions)
 
 
+@pytest.mark.parametrize("clip", [fleetc.ClipGradByGlobalNorm(0.5), fleetc.ClipGradByNorm(0.05)],
+                         ids=["global_norm", "norm"])
+def test_gradient_clipping_across_stages_matches_eager(clip):
+    """Each stage clips its own gradients; the global norm is summed over the stages (the tied embedding's gradient
+    counted once), so every stage scales by the norm of all gradients, as eager clipping does."""
+    torch.manual_seed(0)
+    model = StagedGPT(2)
+    reference = copy.deepcopy(model)
+    trainer = fleetc.compile(model, _strategy(accumulate_steps=2, micro_batch_size=2, schedule_mode="ZBH1"),
+                             optimizer=OPTIMIZERS["momentum"](model.parameters()), loss_fn=ZOO["gpt"].loss_fn,
+                             grad_clip=clip, verify=True)
+    reference_optimizer = OPTIMIZERS["momentum"](reference.parameters())
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        args, _ = ZOO["gpt"].make_batch(g)
+        trainer.step(*args)
+        for micro in zip(*(a.chunk(2) for a in args)):
+            (ZOO["gpt"].loss_fn(reference(micro[0]), micro[1]) / 2).backward()
+        grads = [p.grad for p in reference.parameters()]
+        if isinstance(clip, fleetc.ClipGradByGlobalNorm):
+            norm = torch.stack([gr.norm() for gr in grads]).norm()
+            assert norm > clip.clip_norm                                  # the clip really scales
+            for gr in grads:
+                gr.mul_(clip.clip_norm / torch.clamp_min(norm, clip.clip_norm))
+        else:
+            assert any(gr.norm() > clip.clip_norm for gr in grads)
+            for gr in grads:
+                gr.mul_(clip.clip_norm / torch.clamp_min(gr.norm(), clip.clip_norm))
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, msg=lambda msg, name=name: f"{name}: {msg}")
+    assert "pipeline_split" in trainer.report().applied
+
+
+def test_global_norm_clipping_with_vpp_is_refused_by_name():
+    model = StagedGPT(4)
+    with pytest.raises(StrategyError, match="global-norm gradient clipping with schedule_mode VPP"):
+        fleetc.compile(model, _strategy(accumulate_steps=2, micro_batch_size=2, schedule_mode="VPP", vpp_degree=2),
+                       optimizer=OPTIMIZERS["sgd"](model.parameters()), loss_fn=ZOO["gpt"].loss_fn,
+                       grad_clip=fleetc.ClipGradByGlobalNorm(1.0)).step(*ZOO["gpt"].make_batch(torch.Generator())[0])
+
+
 class Skip(nn.Module):
     """Stage 2 reads a value of stage 0 (a skip connection): it must be relayed through stage 1."""
 
