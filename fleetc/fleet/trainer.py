@@ -14,6 +14,7 @@ from fleetc.comm.mesh import ProcessMesh, resolve_mesh
 from fleetc.comm.plan import check_plans_agree, check_ranks_agree
 from fleetc.compiler import CompiledStep, CompiledTrainer
 from fleetc.errors import CheckpointError
+from fleetc.fleet.pipeline_state import gather_stage_state
 from fleetc.fleet.sharded_state import consolidated_optimizer, drop_foreign_state, owned_parameters
 from fleetc.fleet.sharding_memory import per_rank_bytes
 from fleetc.ir.program import Program
@@ -29,7 +30,7 @@ from fleetc.runtime.checkpoint import (
     rng_state,
     save_checkpoint,
 )
-from fleetc.runtime.pipeline_local import PipelineExecutor, make_pipeline
+from fleetc.runtime.pipeline_local import DistributedPipeline, PipelineExecutor, make_pipeline
 from fleetc.runtime.step_cache import DEFAULT_CACHE_LIMIT
 
 
@@ -148,6 +149,9 @@ class DataParallelTrainer(CompiledTrainer):
         """Every rank calls it: their RNG states are gathered, the first rank writes a new crash-safe version, and
         all wait for it (CheckpointError on every rank when the write failed)."""
         rng = host.gather_objects(rng_state(), "checkpoint (gathering RNG states)")
+        pipeline = self._last_train.pipeline if self._last_train is not None else None
+        if isinstance(pipeline, DistributedPipeline):  # each rank's model is current for its stages only
+            gather_stage_state(self.model, self.optimizer, set(pipeline.holders))
         live = self._live_state()
         if self._owned is not None and self.optimizer is not None:  # sharded: every rank's entries, in one file
             live.optimizer = consolidated_optimizer(self.optimizer)

@@ -71,10 +71,12 @@ def fleet_train(rank: int, args: dict, out_dir: str) -> None:
         batch, _ = ZOO[args["model"]].make_batch(g)
         losses.append(float(trainer.step(*(a.chunk(replicas)[rank // stages] for a in batch))))
     pipe = trainer._last_train.pipeline
-    named = dict(model.named_parameters())
+    named = {n: p.detach().clone() for n, p in model.named_parameters()}  # before a checkpoint gathers the rest
+    if args.get("checkpoint"):
+        fleet.save_persistables(os.path.join(out_dir, "checkpoint"))
     torch.save({"losses": losses, "mesh": str(trainer.mesh), "executor": type(pipe).__name__,
                 "skipped": trainer.report().skipped,
-                "params": {n: named[n].detach() for n in pipe.plan.stages[pipe.ranks_here[0]].params}},
+                "params": {n: named[n] for n in pipe.plan.stages[pipe.ranks_here[0]].params}},
                os.path.join(out_dir, f"rank{rank}.pt"))
     fleet.barrier_worker()
     fleet.stop_worker()

@@ -9,6 +9,7 @@ import torch
 from helpers.pipeline import STAGED, eager_accumulating_step
 from zoo import OPTIMIZERS, ZOO
 
+import fleetc
 from fleet.spawn import spawn
 
 pytestmark = pytest.mark.slow  # CI still runs them
@@ -99,6 +100,36 @@ def test_fleet_compile_runs_one_stage_per_process(zoo_name, mode, tmp_path):
     _check_fleet_run(results, zoo_name, 2, MICROBATCHES)
     if zoo_name == "gpt":
         assert all("tok.weight" in r.result["params"] for r in results)  # tied: both stages hold it
+
+
+def test_checkpoint_of_a_two_stage_run_resumes_in_one_process(tmp_path):
+    """Each stage's state (CNN: parameters, BatchNorm statistics, momentum buffers) is gathered before the first
+    rank writes: the checkpoint loads into a single process, which then trains on exactly like eager."""
+    args = {"model": "cnn", "mode": "1F1B", "microbatches": MICROBATCHES, "steps": STEPS, "stages": 2, "batch": 4,
+            "checkpoint": True}
+    results = spawn(2, "fleet_train", args, tmp_path, deadline_s=150, module="fleet.pipeline_workers")
+    _check_fleet_run(results, "cnn", 2, MICROBATCHES)
+    make, optimizer_name = STAGED["cnn"]
+    torch.manual_seed(0)
+    reference = make(2)
+    reference_optimizer = OPTIMIZERS[optimizer_name](reference.parameters())
+    model = make(2)
+    strategy = fleetc.DistributedStrategy()
+    strategy.pipeline = True
+    strategy.pipeline_configs = {"micro_batch_size": 1, "accumulate_steps": MICROBATCHES}
+    trainer = fleetc.compile(model, strategy, optimizer=OPTIMIZERS[optimizer_name](model.parameters()),
+                             loss_fn=ZOO["cnn"].loss_fn)
+    trainer.load_checkpoint(str(tmp_path / "checkpoint"))
+    g = torch.Generator().manual_seed(1)
+    for step in range(STEPS + 1):
+        batch, _ = ZOO["cnn"].make_batch(g)
+        expected = eager_accumulating_step(reference, reference_optimizer, ZOO["cnn"].loss_fn, batch, MICROBATCHES)
+        if step == STEPS - 1:   # what the two processes saved: parameters and BatchNorm statistics
+            for name, value in reference.state_dict().items():
+                torch.testing.assert_close(model.state_dict()[name], value, msg=lambda m, name=name: f"{name}: {m}")
+    torch.testing.assert_close(trainer.step(*batch), torch.tensor(expected))  # one more step: momentum restored too
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("zoo_name", ["gpt"] + (["cnn"] if os.environ.get("FLEETC_FULL") else []))
