@@ -93,6 +93,7 @@ class DataParallelTrainer(CompiledTrainer):
                          dynamic_dims=dynamic_dims)
         self.world_size = env.world_size()
         self._owned: set[str] | None = None  # under sharding: the parameters this rank updates
+        self._gathered_at = -1  # under a pipeline across processes: the step whose stage state was last gathered
         self.mesh, mesh_notes = resolve_mesh(self.config, self.world_size)
         self.decisions += [f"process mesh {self.mesh}", *mesh_notes]
         if self.world_size > 1:
@@ -132,6 +133,20 @@ class DataParallelTrainer(CompiledTrainer):
         return make_pipeline(program, self.model, self.optimizer, self.counters, self.cpu_kernels,
                              self.mesh.group_of("pp", env.rank()), "pp")
 
+    def _gather_pipeline_stages(self) -> None:
+        """With one pipeline stage per process, each rank's model is current for its stages only: gather the others'
+        (a collective, once per training step at most) before anything reads the whole model."""
+        pipeline = self._last_train.pipeline if self._last_train is not None else None
+        if isinstance(pipeline, DistributedPipeline) and self._gathered_at != self._steps:
+            gather_stage_state(self.model, self.optimizer, set(pipeline.holders))
+            self._gathered_at = self._steps
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Evaluation. Under a pipeline with one stage per process every rank calls it: the stages' current state
+        is gathered first, and each rank runs the whole evaluation Program (forward-only pipelining is not built)."""
+        self._gather_pipeline_stages()
+        return super().__call__(*args, **kwargs)
+
     def memory_stats(self) -> dict[str, Any]:
         """The static estimate; under sharding also `sharding`: this rank's parameter, gradient and optimizer-state
         bytes beside the ZeRO formula's (fleet/sharding_memory.py)."""
@@ -149,9 +164,7 @@ class DataParallelTrainer(CompiledTrainer):
         """Every rank calls it: their RNG states are gathered, the first rank writes a new crash-safe version, and
         all wait for it (CheckpointError on every rank when the write failed)."""
         rng = host.gather_objects(rng_state(), "checkpoint (gathering RNG states)")
-        pipeline = self._last_train.pipeline if self._last_train is not None else None
-        if isinstance(pipeline, DistributedPipeline):  # each rank's model is current for its stages only
-            gather_stage_state(self.model, self.optimizer, set(pipeline.holders))
+        self._gather_pipeline_stages()
         live = self._live_state()
         if self._owned is not None and self.optimizer is not None:  # sharded: every rank's entries, in one file
             live.optimizer = consolidated_optimizer(self.optimizer)

@@ -72,9 +72,10 @@ def fleet_train(rank: int, args: dict, out_dir: str) -> None:
         losses.append(float(trainer.step(*(a.chunk(replicas)[rank // stages] for a in batch))))
     pipe = trainer._last_train.pipeline
     named = {n: p.detach().clone() for n, p in model.named_parameters()}  # before a checkpoint gathers the rest
+    evaluated = trainer(batch[0]) if args.get("evaluate") else None   # every rank calls it
     if args.get("checkpoint"):
         fleet.save_persistables(os.path.join(out_dir, "checkpoint"))
-    torch.save({"losses": losses, "mesh": str(trainer.mesh), "executor": type(pipe).__name__,
+    torch.save({"losses": losses, "mesh": str(trainer.mesh), "executor": type(pipe).__name__, "evaluated": evaluated,
                 "skipped": trainer.report().skipped,
                 "params": {n: named[n] for n in pipe.plan.stages[pipe.ranks_here[0]].params}},
                os.path.join(out_dir, f"rank{rank}.pt"))

@@ -102,11 +102,11 @@ def test_fleet_compile_runs_one_stage_per_process(zoo_name, mode, tmp_path):
         assert all("tok.weight" in r.result["params"] for r in results)  # tied: both stages hold it
 
 
-def test_checkpoint_of_a_two_stage_run_resumes_in_one_process(tmp_path):
-    """Each stage's state (CNN: parameters, BatchNorm statistics, momentum buffers) is gathered before the first
+def test_checkpoint_and_evaluation_of_a_two_stage_run(tmp_path):
+    """Evaluation on every rank sees the whole current model. Each stage's state (CNN: parameters, BatchNorm statistics, momentum buffers) is gathered before the first
     rank writes: the checkpoint loads into a single process, which then trains on exactly like eager."""
     args = {"model": "cnn", "mode": "1F1B", "microbatches": MICROBATCHES, "steps": STEPS, "stages": 2, "batch": 4,
-            "checkpoint": True}
+            "checkpoint": True, "evaluate": True}
     results = spawn(2, "fleet_train", args, tmp_path, deadline_s=150, module="fleet.pipeline_workers")
     _check_fleet_run(results, "cnn", 2, MICROBATCHES)
     make, optimizer_name = STAGED["cnn"]
@@ -127,6 +127,11 @@ def test_checkpoint_of_a_two_stage_run_resumes_in_one_process(tmp_path):
         if step == STEPS - 1:   # what the two processes saved: parameters and BatchNorm statistics
             for name, value in reference.state_dict().items():
                 torch.testing.assert_close(model.state_dict()[name], value, msg=lambda m, name=name: f"{name}: {m}")
+            reference.eval()
+            with torch.no_grad():                # evaluation on every rank sees every stage's current state
+                for r in results:
+                    torch.testing.assert_close(r.result["evaluated"], reference(batch[0]))
+            reference.train()
     torch.testing.assert_close(trainer.step(*batch), torch.tensor(expected))  # one more step: momentum restored too
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, msg=lambda m, name=name: f"{name}: {m}")
