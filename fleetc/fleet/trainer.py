@@ -24,12 +24,7 @@ from fleetc.passes.pipeline_parallel.stages import pipeline_stages, pipelined
 from fleetc.passes.recompute import RecomputePolicy
 from fleetc.passes.sharding.optimizer_sharding import RS_WAIT
 from fleetc.report import CompileReport
-from fleetc.runtime.checkpoint import (
-    TrainerState,
-    load_checkpoint,
-    rng_state,
-    save_checkpoint,
-)
+from fleetc.runtime.checkpoint import TrainerState, load_checkpoint, rng_state, save_checkpoint
 from fleetc.runtime.pipeline_local import DistributedPipeline, PipelineExecutor, make_pipeline
 from fleetc.runtime.step_cache import DEFAULT_CACHE_LIMIT
 
