@@ -99,8 +99,9 @@ def partition(program: Program, microbatches: int) -> PipelinePlan:
     ops = work.global_block.ops
     for op in ops:
         if op.role & OpRole.COLLECTIVE:
-            raise PassError(f"{where(op)}: collectives (data parallel) inside a pipelined Program are not supported "
-                            "yet; run pipeline without data parallel")
+            raise PassError(f"{where(op)}: this collective (sync_batch_norm, local SGD or a sharding bucket) cannot "
+                            "be split across pipeline stages yet; switch that strategy off under pipeline (data "
+                            "parallel itself composes: each stage averages its gradients in its optimizer Program)")
     _seed_loss_gradient(ops, microbatches)
     stage_map = assign_stages(work)
     shared = _split_shared_gradients(work, stage_map)
