@@ -73,14 +73,33 @@ def fleet_train(rank: int, args: dict, out_dir: str) -> None:
     pipe = trainer._last_train.pipeline
     named = {n: p.detach().clone() for n, p in model.named_parameters()}  # before a checkpoint gathers the rest
     evaluated = trainer(batch[0]) if args.get("evaluate") else None   # every rank calls it
+    resumed = {}
     if args.get("checkpoint"):
         fleet.save_persistables(os.path.join(out_dir, "checkpoint"))
-    torch.save({"losses": losses, "mesh": str(trainer.mesh), "executor": type(pipe).__name__, "evaluated": evaluated,
+        resumed = _resume(rank, args, strategy, os.path.join(out_dir, "checkpoint"), g)
+    torch.save({"losses": losses, "mesh": str(trainer.mesh), "executor": type(pipe).__name__, "evaluated": evaluated, "resumed": resumed,
                 "skipped": trainer.report().skipped,
                 "params": {n: named[n] for n in pipe.plan.stages[pipe.ranks_here[0]].params}},
                os.path.join(out_dir, f"rank{rank}.pt"))
     fleet.barrier_worker()
     fleet.stop_worker()
+
+
+def _resume(rank: int, args: dict, strategy, dirname: str, g: torch.Generator) -> dict:
+    """A fresh model and trainer on the same pipeline load the checkpoint and take the next step: this rank's stage
+    parameters after it."""
+    make, optimizer_name = STAGED[args["model"]]
+    torch.manual_seed(100 + rank)
+    model = make(args["stages"])
+    opt = fleet.distributed_optimizer(OPTIMIZERS[optimizer_name](model.parameters()), strategy)
+    trainer = fleetc.compile(model, optimizer=opt, loss_fn=ZOO[args["model"]].loss_fn)
+    fleet.load_persistables(dirname, trainer)
+    batch, _ = ZOO[args["model"]].make_batch(g)
+    replicas = dist.get_world_size() // args["stages"]
+    trainer.step(*(a.chunk(replicas)[rank // args["stages"]] for a in batch))
+    pipe = trainer._last_train.pipeline
+    named = dict(model.named_parameters())
+    return {n: named[n].detach().clone() for n in pipe.plan.stages[pipe.ranks_here[0]].params}
 
 
 def disagreeing_plans(rank: int, args: dict, out_dir: str) -> None:

@@ -103,7 +103,8 @@ def test_fleet_compile_runs_one_stage_per_process(zoo_name, mode, tmp_path):
 
 
 def test_checkpoint_and_evaluation_of_a_two_stage_run(tmp_path):
-    """Evaluation on every rank sees the whole current model. Each stage's state (CNN: parameters, BatchNorm statistics, momentum buffers) is gathered before the first
+    """Evaluation on every rank sees the whole current model. The checkpoint resumes on the same pipeline. Each
+    stage's state (CNN: parameters, BatchNorm statistics, momentum buffers) is gathered before the first
     rank writes: the checkpoint loads into a single process, which then trains on exactly like eager."""
     args = {"model": "cnn", "mode": "1F1B", "microbatches": MICROBATCHES, "steps": STEPS, "stages": 2, "batch": 4,
             "checkpoint": True, "evaluate": True}
@@ -135,6 +136,12 @@ def test_checkpoint_and_evaluation_of_a_two_stage_run(tmp_path):
     torch.testing.assert_close(trainer.step(*batch), torch.tensor(expected))  # one more step: momentum restored too
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, msg=lambda m, name=name: f"{name}: {m}")
+    final = dict(reference.named_parameters())
+    for r in results:      # the same two-process pipeline resumed from the checkpoint took the same next step
+        assert r.result["resumed"]
+        for name, value in r.result["resumed"].items():
+            torch.testing.assert_close(value, final[name], msg=lambda m, name=name, rank=r.rank: f"rank {rank} "
+                                       f"resumed {name}: {m}")
 
 
 @pytest.mark.parametrize("zoo_name", ["gpt"] + (["cnn"] if os.environ.get("FLEETC_FULL") else []))
