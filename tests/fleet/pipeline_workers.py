@@ -63,8 +63,12 @@ def fleet_train(rank: int, args: dict, out_dir: str) -> None:
     strategy.pipeline = True
     strategy.pipeline_configs = {"micro_batch_size": args["batch"] // (replicas * args["microbatches"]),
                                  "accumulate_steps": args["microbatches"], "schedule_mode": args["mode"]}
+    if args.get("k_steps", 1) > 1:
+        strategy.gradient_merge = True
+        strategy.gradient_merge_configs = {"k_steps": args["k_steps"]}
     opt = fleet.distributed_optimizer(OPTIMIZERS[optimizer_name](model.parameters()), strategy)
-    trainer = fleetc.compile(model, optimizer=opt, loss_fn=ZOO[args["model"]].loss_fn)
+    clip = fleetc.ClipGradByGlobalNorm(args["clip_norm"]) if args.get("clip_norm") else None
+    trainer = fleetc.compile(model, optimizer=opt, loss_fn=ZOO[args["model"]].loss_fn, grad_clip=clip)
     g = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(args["steps"]):

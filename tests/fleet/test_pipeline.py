@@ -51,26 +51,29 @@ def test_two_stage_gpt_over_gloo_matches_eager(mode, tmp_path):
     assert "tok.weight" in results[0].result["params"] and "tok.weight" in results[1].result["params"]  # tied
 
 
-def _fleet_reference(zoo_name: str, stages: int, microbatches: int) -> tuple[list[float], dict]:
-    """Eager PyTorch on one process: per step, one update on the mean loss over the global batch's micro-batches
-    (every replica's micro-batches: the replicas' average gradient is the gradient of that mean)."""
+def _fleet_reference(zoo_name: str, stages: int, microbatches: int, k_steps: int = 1,
+                     clip_norm: float | None = None) -> tuple[list[float], dict]:
+    """Eager PyTorch on one process: per step, the gradient of the mean loss over the global batch's micro-batches
+    (every replica's micro-batches: the replicas' average gradient is the gradient of that mean); one update every
+    k_steps steps on their average, clipped to the global norm `clip_norm`."""
     make, optimizer_name = STAGED[zoo_name]
     torch.manual_seed(0)
     model = make(stages)
     optimizer = OPTIMIZERS[optimizer_name](model.parameters())
     g = torch.Generator().manual_seed(1)
     losses = []
-    for _ in range(STEPS):
+    for step in range(STEPS * k_steps):
         batch, _ = ZOO[zoo_name].make_batch(g)
-        losses.append(eager_accumulating_step(model, optimizer, ZOO[zoo_name].loss_fn, batch, microbatches))
+        losses.append(eager_accumulating_step(model, optimizer, ZOO[zoo_name].loss_fn, batch, microbatches,
+                                              update=(step + 1) % k_steps == 0, divide=k_steps, clip_norm=clip_norm))
     return losses, {n: p.detach() for n, p in model.named_parameters()}
 
 
-def _check_fleet_run(results: list, zoo_name: str, stages: int, microbatches: int) -> None:
+def _check_fleet_run(results: list, zoo_name: str, stages: int, microbatches: int, **reference: float) -> None:
     replicas = len(results) // stages
     for r in results:
         assert r.returncode == 0, r.output[-3000:]
-    losses, params = _fleet_reference(zoo_name, stages, replicas * microbatches)
+    losses, params = _fleet_reference(zoo_name, stages, replicas * microbatches, **reference)
     held: dict[str, set] = {}
     for r in results:
         assert r.result["executor"] == "DistributedPipeline" and "pipeline_split" not in r.result["skipped"]
@@ -87,8 +90,7 @@ def _check_fleet_run(results: list, zoo_name: str, stages: int, microbatches: in
     torch.testing.assert_close(replica_losses.mean(0), torch.tensor(losses, dtype=replica_losses.dtype))
 
 
-FLEET_CASES = [("gpt", "1F1B"), ("cnn", "FThenB")] + ([("gpt", "FThenB"), ("cnn", "1F1B")]
-                                                        if os.environ.get("FLEETC_FULL") else [])
+FLEET_CASES = [("gpt", "1F1B")] + ([("gpt", "FThenB"), ("cnn", "1F1B")] if os.environ.get("FLEETC_FULL") else [])
 
 
 @pytest.mark.parametrize("zoo_name, mode", FLEET_CASES)
@@ -100,6 +102,15 @@ def test_fleet_compile_runs_one_stage_per_process(zoo_name, mode, tmp_path):
     _check_fleet_run(results, zoo_name, 2, MICROBATCHES)
     if zoo_name == "gpt":
         assert all("tok.weight" in r.result["params"] for r in results)  # tied: both stages hold it
+
+
+def test_gradient_merge_and_global_norm_clipping_across_processes(tmp_path):
+    """CNN, FThenB, one stage per process: gradient merge k_steps=2 (one update every 2 step() calls, on the average)
+    and ClipGradByGlobalNorm, whose norm is summed over the two processes' stages."""
+    args = {"model": "cnn", "mode": "FThenB", "microbatches": MICROBATCHES, "steps": 2 * STEPS, "stages": 2,
+            "batch": 4, "k_steps": 2, "clip_norm": 0.1}
+    results = spawn(2, "fleet_train", args, tmp_path, deadline_s=150, module="fleet.pipeline_workers")
+    _check_fleet_run(results, "cnn", 2, MICROBATCHES, k_steps=2, clip_norm=0.1)
 
 
 def test_checkpoint_and_evaluation_of_a_two_stage_run(tmp_path):

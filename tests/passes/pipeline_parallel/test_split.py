@@ -175,20 +175,11 @@ def test_gradient_merge_multiplies_the_update_interval(avg):
         before = [p.detach().clone() for p in model.parameters()]
         args, _ = ZOO["gpt"].make_batch(g)
         loss = trainer.step(*args)
-        expected = 0.0
-        for micro in zip(*(a.chunk(m) for a in args)):
-            part = ZOO["gpt"].loss_fn(reference(micro[0]), micro[1]) / m
-            part.backward()
-            expected += part.item()
-        torch.testing.assert_close(loss, torch.tensor(expected), msg=lambda msg, step=step: f"step {step}: {msg}")
         updates = (step + 1) % k_steps == 0
+        expected = eager_accumulating_step(reference, reference_optimizer, ZOO["gpt"].loss_fn, args, m,
+                                           update=updates, divide=k_steps if avg else 1)
+        torch.testing.assert_close(loss, torch.tensor(expected), msg=lambda msg, step=step: f"step {step}: {msg}")
         assert updates != all(torch.equal(p, q) for p, q in zip(before, model.parameters()))
-        if updates:
-            if avg:
-                for p in reference.parameters():
-                    p.grad /= k_steps
-            reference_optimizer.step()
-            reference_optimizer.zero_grad()
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, msg=lambda msg, name=name: f"{name}: {msg}")
     report = trainer.report()
