@@ -208,14 +208,18 @@ class CompiledTrainer:
         accumulates = self.optimizer is None and kind == "train"  # into p.grad, across steps
         post_hooked = [(n, p) for n, p in self.model.named_parameters()
                        if accumulates and getattr(p, "_post_accumulate_grad_hooks", None)]
-        pipeline = (make_pipeline(final, self.model, self.optimizer, self.counters, self.cpu_kernels)
-                    if kind == "train" and "pipeline" in final.metadata else None)
+        pipeline = self._make_pipeline(final) if kind == "train" and "pipeline" in final.metadata else None
         shapes = ShapeGuards(final) if "dynamic" in final.metadata else None
         if shapes is not None:
             report.guards += [f"shape: {line}" for line in shapes.summary()]
         return CompiledStep(final, history, executable, binding, report, GuardCheck(record, self.model, self.optimizer),
                             [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)], out_spec,
                             HyperparameterFeeds(final, self.model, self.optimizer), post_hooked, shapes, pipeline)
+
+    def _make_pipeline(self, program: Program) -> PipelineExecutor:
+        """The executor of a Program the pipeline pass split: here every pipeline rank runs in this process (the
+        data-parallel trainer runs this process's rank of its pipeline group instead)."""
+        return make_pipeline(program, self.model, self.optimizer, self.counters, self.cpu_kernels)
 
     def _key(self, kind: str, leaves: list, spec: TreeSpec, dynamic: DynamicDims | None = None) -> tuple:
         key: tuple = (("inputs", input_key(leaves, spec, dynamic)),)
@@ -247,6 +251,8 @@ class CompiledTrainer:
     # ----- running ---------------------------------------------------------------------------
     def _updates_this_step(self, compiled: CompiledStep) -> bool:
         """Whether this step runs the optimizer update (under gradient merge, every k-th step only)."""
+        if compiled.pipeline is not None:  # which merges gradients itself under gradient merge
+            return compiled.pipeline.updates_next_step
         merge = compiled.program.metadata.get("gradient_merge")
         if merge is None:
             return True

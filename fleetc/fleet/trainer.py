@@ -14,15 +14,18 @@ from fleetc.comm.mesh import ProcessMesh, resolve_mesh
 from fleetc.comm.plan import check_plans_agree, check_ranks_agree
 from fleetc.compiler import CompiledStep, CompiledTrainer
 from fleetc.errors import CheckpointError
+from fleetc.fleet.pipeline_state import gather_stage_state
 from fleetc.fleet.sharded_state import consolidated_optimizer, drop_foreign_state, owned_parameters
 from fleetc.fleet.sharding_memory import per_rank_bytes
 from fleetc.ir.program import Program
 from fleetc.passes.manager import History
 from fleetc.passes.optimizers import GradClip
+from fleetc.passes.pipeline_parallel.stages import pipeline_stages, pipelined
 from fleetc.passes.recompute import RecomputePolicy
 from fleetc.passes.sharding.optimizer_sharding import RS_WAIT
 from fleetc.report import CompileReport
 from fleetc.runtime.checkpoint import TrainerState, load_checkpoint, rng_state, save_checkpoint
+from fleetc.runtime.pipeline_local import DistributedPipeline, PipelineExecutor, make_pipeline
 from fleetc.runtime.step_cache import DEFAULT_CACHE_LIMIT
 
 
@@ -85,14 +88,19 @@ class DataParallelTrainer(CompiledTrainer):
                          dynamic_dims=dynamic_dims)
         self.world_size = env.world_size()
         self._owned: set[str] | None = None  # under sharding: the parameters this rank updates
+        self._gathered_at = -1  # under a pipeline across processes: the step whose stage state was last gathered
         self.mesh, mesh_notes = resolve_mesh(self.config, self.world_size)
         self.decisions += [f"process mesh {self.mesh}", *mesh_notes]
         if self.world_size > 1:
             broadcast_state(model)
 
     def _optimize(self, program: Program, capture_seconds: float) -> tuple[Program, History, CompileReport]:
+        if pipelined(program, self.config):  # the stage count of device_guard is known now
+            self.mesh, _ = resolve_mesh(self.config, self.world_size, pipeline_stages(program))
         # the ranks that hold the same stage average gradients; pipeline stages are the other ranks
         program.metadata["data_parallel"] = {"world_size": self.world_size // self.mesh.pp}
+        if self.mesh.pp > 1:
+            program.metadata["data_parallel"]["groups"] = self.mesh.groups("dp")
         if self.config.sharding and self.world_size > 1:
             program.metadata["sharding"] = sharding_metadata(self.mesh, env.rank())
         return super()._optimize(program, capture_seconds)
@@ -102,8 +110,9 @@ class DataParallelTrainer(CompiledTrainer):
         if self.world_size > 1 and kind == "train":
             # The plan check first: a dead rank or a disagreement fails here, cleanly, before group creation waits.
             check_plans_agree(compiled.program, {"the optimizer's settings": optimizer_settings(self.optimizer)})
+            pipeline_group = {"pp": self.mesh.groups("pp")} if compiled.pipeline is not None else {}
             try:
-                groups.ensure_groups(compiled.program.metadata.get("collective_groups", {}))
+                groups.ensure_groups({**compiled.program.metadata.get("collective_groups", {}), **pipeline_group})
             except (RuntimeError, dist.DistError) as exc:
                 raise collective_failed("process group creation", exc,
                                         env.collective_timeout().total_seconds()) from exc
@@ -111,6 +120,27 @@ class DataParallelTrainer(CompiledTrainer):
             if self._owned is not None:
                 drop_foreign_state(self.optimizer, self.model, self._owned)  # e.g. loaded from a checkpoint
         return compiled
+
+    def _make_pipeline(self, program: Program) -> PipelineExecutor:
+        """This process's rank of its pipeline group (the mesh's pp axis), over torch.distributed."""
+        if self.world_size == 1:
+            return super()._make_pipeline(program)
+        return make_pipeline(program, self.model, self.optimizer, self.counters, self.cpu_kernels,
+                             self.mesh.group_of("pp", env.rank()), "pp")
+
+    def _gather_pipeline_stages(self) -> None:
+        """With one pipeline stage per process, each rank's model is current for its stages only: gather the others'
+        (a collective, once per training step at most) before anything reads the whole model."""
+        pipeline = self._last_train.pipeline if self._last_train is not None else None
+        if isinstance(pipeline, DistributedPipeline) and self._gathered_at != self._steps:
+            gather_stage_state(self.model, self.optimizer, set(pipeline.holders))
+            self._gathered_at = self._steps
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Evaluation. Under a pipeline with one stage per process every rank calls it: the stages' current state
+        is gathered first, and each rank runs the whole evaluation Program (forward-only pipelining is not built)."""
+        self._gather_pipeline_stages()
+        return super().__call__(*args, **kwargs)
 
     def memory_stats(self) -> dict[str, Any]:
         """The static estimate; under sharding also `sharding`: this rank's parameter, gradient and optimizer-state
@@ -129,6 +159,7 @@ class DataParallelTrainer(CompiledTrainer):
         """Every rank calls it: their RNG states are gathered, the first rank writes a new crash-safe version, and
         all wait for it (CheckpointError on every rank when the write failed)."""
         rng = host.gather_objects(rng_state(), "checkpoint (gathering RNG states)")
+        self._gather_pipeline_stages()
         live = self._live_state()
         if self._owned is not None and self.optimizer is not None:  # sharded: every rank's entries, in one file
             live.optimizer = consolidated_optimizer(self.optimizer)

@@ -21,6 +21,7 @@ from fleetc.errors import PassError
 from fleetc.ir.liveness import block_reads
 from fleetc.ir.program import Block, Op, OpRole, Program, Ref, Var, VarKind
 from fleetc.passes.base import PassReport
+from fleetc.passes.pipeline_parallel.stages import pipelined
 
 PROVENANCE = "gradient_merge"
 _UPDATE_ROLES = OpRole.OPTIMIZE | OpRole.LR_SCHED
@@ -119,6 +120,10 @@ class GradientMerge:
     def run(self, program: Program, config: Any) -> tuple[Program, PassReport]:
         k_steps, avg = config.gradient_merge_configs.k_steps, config.gradient_merge_configs.avg
         report = PassReport(self.name)
+        if pipelined(program, config):
+            report.skipped_reason = (f"pipeline: each stage keeps its gradient sums over {k_steps} step() calls and "
+                                     "updates on the last (k_steps multiplies the update interval; pipeline_split)")
+            return program, report
         block = program.global_block
         update = update_op_indices(program, block)
         if not update:

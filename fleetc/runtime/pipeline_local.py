@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fleetc.comm import groups
+from fleetc.comm.env import collective_timeout
 from fleetc.comm.p2p import DistributedChannel, LocalChannel, LocalMailbox, use_channel
 from fleetc.comm.plan import check_ranks_agree
 from fleetc.errors import StrategyError
@@ -36,11 +38,14 @@ from fleetc.runtime.state import StateBinding
 
 
 class PipelineExecutor:
-    """The pipeline ranks `ranks_here` of a plan: their chunks' Executables and state, and one step's work."""
+    """The pipeline ranks `ranks_here` of a plan: their chunks' Executables and state, and one step's work.
+
+    With gradient merge (`k_steps` > 1) the gradient sums carry over k_steps steps and only the last runs the
+    optimizer actions, on the sums divided by k_steps when `merge_avg`: k_steps multiplies the update interval."""
 
     def __init__(self, program: Program, plan: PipelinePlan, schedule: Schedule, model: nn.Module,
                  optimizer: torch.optim.Optimizer, ranks_here: list[int], *, cpu_kernels: str | None = "off",
-                 counters: dict[str, torch.Tensor] | None = None):
+                 counters: dict[str, torch.Tensor] | None = None, k_steps: int = 1, merge_avg: bool = True):
         if schedule.stages != len(plan.stages):
             raise StrategyError(f"the schedule has {schedule.stages} chunks but the model has {len(plan.stages)} "
                                 "device_guard stages")
@@ -59,6 +64,20 @@ class PipelineExecutor:
                     if s not in self.holders.setdefault(var.name, []):
                         self.holders[var.name].append(s)
         self.copies: dict[tuple[int, str], torch.Tensor] = {}
+        self.k_steps, self.merge_avg = k_steps, merge_avg
+        self.steps_merged = 0  # steps whose gradients the carried sums hold
+        self._carried: dict[int, dict[str, torch.Tensor]] | None = None
+        self._period_flags: list = []
+
+    @property
+    def updates_next_step(self) -> bool:
+        """Whether the next step runs the optimizer update (every k_steps-th under gradient merge)."""
+        return (self.steps_merged + 1) % self.k_steps == 0
+
+    def _finish(self, step: _Step) -> None:
+        """After a step: keep its gradient sums for the next one, unless it updated."""
+        self.steps_merged = 0 if step.update else self.steps_merged + 1
+        self._carried = None if step.update else step.sums
 
     def _chunk_state(self, resolved: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
         states: dict[int, dict[str, torch.Tensor]] = {s: {} for s in self.chunks}
@@ -76,6 +95,16 @@ class PipelineExecutor:
         return max((float((copy - resolved[name].detach()).abs().max()) for (_, name), copy in self.copies.items()),
                    default=0.0)
 
+    def _hyper_values(self) -> list:
+        """The optimizer's values for this step. Under gradient merge, the flags saying that a piece of optimizer
+        state does not exist yet (momentum's fresh buffer) are those of the merge period's first step: the state
+        binding creates the state on that step, but no update has run on it until the period's last."""
+        values = self.hyper.values()
+        if self._carried is None:
+            self._period_flags = values
+            return values
+        return [first if isinstance(first, bool) else now for first, now in zip(self._period_flags, values)]
+
     def _microbatches(self, args: tuple) -> list[dict[str, torch.Tensor]]:
         m = self.schedule.microbatches
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
@@ -91,21 +120,23 @@ class PipelineExecutor:
 
     def _prepare(self, args: tuple) -> _Step:
         batches = self._microbatches(args)
-        hyper = dict(zip(self.hyper_names, self.hyper.values()))
+        hyper = dict(zip(self.hyper_names, self._hyper_values()))
         return _Step(self._chunk_state(self.binding.resolve()), hyper,
                      {(s, i): dict(batches[i]) for s in self.chunks for i in range(len(batches))},
-                     {s: {} for s in self.chunks}, {})
+                     self._carried or {s: {} for s in self.chunks}, {}, self.updates_next_step)
 
     def _run_rank(self, rank: int, channel: Any, step: _Step) -> None:
         with use_channel(channel):
             for action in self.schedule.actions[rank]:
                 if action.kind in COMPUTE_KINDS:
                     self._compute(action, channel, step)
-                elif action.kind == OPTIMIZER:
+                elif action.kind == OPTIMIZER and step.update:
+                    scale = self.k_steps if self.merge_avg else 1
                     for s in range(rank, self.schedule.stages, self.schedule.ranks):
                         channel.stage, channel.microbatch = s, -1
                         exe = self.executables[s]["optimizer"]
-                        values = {**step.hyper, **step.sums[s]}
+                        sums = {n: g / scale for n, g in step.sums[s].items()} if scale > 1 else step.sums[s]
+                        values = {**step.hyper, **sums}
                         exe.run(step.states[s], [values[n] for n in exe.program.feeds])
 
     def _compute(self, action: Action, channel: Any, step: _Step) -> None:
@@ -127,10 +158,11 @@ class PipelineExecutor:
 
 class _Step:
     """One step's working set: per-chunk state, hyperparameters, per-(chunk, micro-batch) values, gradient sums
-    per chunk, and the last stage's micro-batch losses."""
+    per chunk, the last stage's micro-batch losses, and whether the step runs the optimizer update."""
 
-    def __init__(self, states: dict, hyper: dict, env: dict, sums: dict, losses: dict):
+    def __init__(self, states: dict, hyper: dict, env: dict, sums: dict, losses: dict, update: bool):
         self.states, self.hyper, self.env, self.sums, self.losses = states, hyper, env, sums, losses
+        self.update = update
 
 
 class LocalPipeline(PipelineExecutor):
@@ -138,9 +170,9 @@ class LocalPipeline(PipelineExecutor):
 
     def __init__(self, program: Program, plan: PipelinePlan, schedule: Schedule, model: nn.Module,
                  optimizer: torch.optim.Optimizer, *, timeout_s: float = 60.0, cpu_kernels: str | None = "off",
-                 counters: dict[str, torch.Tensor] | None = None):
+                 counters: dict[str, torch.Tensor] | None = None, k_steps: int = 1, merge_avg: bool = True):
         super().__init__(program, plan, schedule, model, optimizer, list(range(schedule.ranks)),
-                         cpu_kernels=cpu_kernels, counters=counters)
+                         cpu_kernels=cpu_kernels, counters=counters, k_steps=k_steps, merge_avg=merge_avg)
         self.timeout_s = timeout_s
 
     def step(self, *args: Any) -> torch.Tensor:
@@ -161,23 +193,32 @@ class LocalPipeline(PipelineExecutor):
             t.join()
         if errors:
             raise errors[0]
+        self._finish(step)
         return torch.stack([step.losses[i] for i in range(self.schedule.microbatches)]).mean()
 
 
 class DistributedPipeline(PipelineExecutor):
-    """This process's pipeline rank (its torch.distributed rank; the job holds exactly the pipeline ranks). Every
-    rank calls `step` with the same batch; every rank returns the same loss, broadcast from the last stage."""
+    """This process's pipeline rank. `pp_ranks` are the global ranks of this process's pipeline group, in stage
+    order (default: the whole job is one pipeline); `group` is that group's name among the runtime's communicator
+    groups (`fleetc.comm.groups`; None: the default group). Every rank of a pipeline calls `step` with the same
+    batch; every rank returns the same loss, broadcast from the last stage."""
 
     def __init__(self, program: Program, plan: PipelinePlan, schedule: Schedule, model: nn.Module,
                  optimizer: torch.optim.Optimizer, *, timeout_s: float = 60.0, cpu_kernels: str | None = "off",
-                 counters: dict[str, torch.Tensor] | None = None):
+                 counters: dict[str, torch.Tensor] | None = None, pp_ranks: list[int] | None = None,
+                 group: str | None = None, k_steps: int = 1, merge_avg: bool = True):
         import torch.distributed as dist
 
-        if dist.get_world_size() != schedule.ranks:
+        if pp_ranks is None and dist.get_world_size() != schedule.ranks:
             raise StrategyError(f"the pipeline has {schedule.ranks} ranks but the job has {dist.get_world_size()} "
-                                "processes (pipeline with data parallel is not built yet)")
-        super().__init__(program, plan, schedule, model, optimizer, [dist.get_rank()], cpu_kernels=cpu_kernels,
-                         counters=counters)
+                                "processes and no pipeline group was given (the data-parallel trainer gives it)")
+        self.pp_ranks = list(range(dist.get_world_size())) if pp_ranks is None else list(pp_ranks)
+        if len(self.pp_ranks) != schedule.ranks or dist.get_rank() not in self.pp_ranks:
+            raise StrategyError(f"the pipeline has {schedule.ranks} ranks but rank {dist.get_rank()}'s pipeline "
+                                f"group is {self.pp_ranks}")
+        super().__init__(program, plan, schedule, model, optimizer, [self.pp_ranks.index(dist.get_rank())],
+                         cpu_kernels=cpu_kernels, counters=counters, k_steps=k_steps, merge_avg=merge_avg)
+        self.group = group
         self.timeout_s = timeout_s
         self.checked = False
         self.last_wait_s = 0.0  # of the last step: time blocked on P2P (what bench/pipeline.py reports as idle)
@@ -193,14 +234,15 @@ class DistributedPipeline(PipelineExecutor):
             self.checked = True
         step = self._prepare(args)
         rank = self.ranks_here[0]
-        channel = DistributedChannel(self.schedule.rank_of, self.timeout_s)
+        channel = DistributedChannel(lambda s: self.pp_ranks[self.schedule.rank_of(s)], self.timeout_s)
         self._run_rank(rank, channel, step)
         channel.finish()
+        self._finish(step)
         self.last_wait_s = channel.waited_s
         last = self.schedule.rank_of(self.schedule.stages - 1)
         loss = (torch.stack([step.losses[i] for i in range(self.schedule.microbatches)]).mean() if rank == last
                 else torch.zeros(()))
-        dist.broadcast(loss, src=last)
+        dist.broadcast(loss, src=self.pp_ranks[last], group=None if self.group is None else groups.group(self.group))
         return loss
 
 
@@ -224,11 +266,18 @@ def first_microbatch(args: tuple, kwargs: dict, micro_batch_size: int, microbatc
 
 
 def make_pipeline(program: Program, model: nn.Module, optimizer: torch.optim.Optimizer,
-                  counters: dict[str, torch.Tensor], cpu_kernels: str | None) -> PipelineExecutor:
-    """The executor `step()` uses for a Program the pipeline pass planned: every pipeline rank in this process.
-    (Under torch.distributed the data-parallel passes put collectives in the Program first, which the split
-    refuses; wiring the mesh's pp axis into them is what `DistributedPipeline` in `step()` waits for.)"""
+                  counters: dict[str, torch.Tensor], cpu_kernels: str | None, pp_ranks: list[int] | None = None,
+                  group: str | None = None) -> PipelineExecutor:
+    """The executor `step()` uses for a Program the pipeline pass planned: every pipeline rank in this process, or,
+    given this process's pipeline group (`pp_ranks`, global ranks in stage order, named `group`), its own rank of
+    it over torch.distributed."""
     from fleetc.passes.pipeline_parallel.split import pipeline_plan
 
     plan, schedule = pipeline_plan(program)
-    return LocalPipeline(program, plan, schedule, model, optimizer, cpu_kernels=cpu_kernels, counters=counters)
+    meta = program.metadata["pipeline"]
+    merge = {"k_steps": meta.get("k_steps", 1), "merge_avg": meta.get("merge_avg", True)}
+    if pp_ranks is None:
+        return LocalPipeline(program, plan, schedule, model, optimizer, cpu_kernels=cpu_kernels, counters=counters,
+                             **merge)
+    return DistributedPipeline(program, plan, schedule, model, optimizer, cpu_kernels=cpu_kernels, counters=counters,
+                               pp_ranks=pp_ranks, group=group, timeout_s=collective_timeout().total_seconds(), **merge)

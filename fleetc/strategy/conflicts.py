@@ -38,9 +38,9 @@ def resolve_conflicts(cfg: StrategyConfig) -> tuple[StrategyConfig, tuple[Decisi
        the user can pick one.
     2. localsgd and adaptive_localsgd both on: localsgd is switched off; the adaptive variant is
        the same scheme with a tuned interval (Paddle black-lists the pair).
-    3. gradient_merge (k_steps > 1) with pipeline: StrategyError. The rule for the pair is that
-       k_steps multiplies the update interval (docs/pipeline.md), and it is not built yet; dropping
-       either switch would silently update at another interval than the one asked for.
+    3. gradient_merge (k_steps > 1) with pipeline: both stay on, and k_steps multiplies the update
+       interval (docs/pipeline.md): one update every k_steps step() calls, each of accumulate_steps
+       micro-batches. Reported, since the pipeline executor merges rather than the gradient_merge pass.
     4. gradient_merge with gradient_merge_configs.k_steps == 1: switched off; merging a single
        step is a plain step (Paddle does not apply it either).
     5. recompute with no checkpoints and no memory_budget_mb: switched off; there is nowhere to cut
@@ -62,9 +62,10 @@ def resolve_conflicts(cfg: StrategyConfig) -> tuple[StrategyConfig, tuple[Decisi
         decisions.append(Decision(field, "switched off", reason))
 
     if cfg.gradient_merge and cfg.pipeline and cfg.gradient_merge_configs.k_steps > 1:
-        raise StrategyError("gradient_merge with pipeline is not supported yet: one update every k_steps × "
-                            "pipeline_configs.accumulate_steps micro-batches is the rule (docs/pipeline.md), but it "
-                            "is not built; raise pipeline_configs.accumulate_steps instead, or switch one of them off")
+        k_steps, m = cfg.gradient_merge_configs.k_steps, cfg.pipeline_configs.accumulate_steps
+        decisions.append(Decision("gradient_merge", "merged by the pipeline",
+                                  f"with pipeline, k_steps multiplies the update interval: one update every {k_steps} "
+                                  f"step() calls, i.e. every {k_steps} × {m} micro-batches"))
     if cfg.localsgd and cfg.adaptive_localsgd:
         switch_off("localsgd", "adaptive_localsgd is on, and it is local SGD with an adapted interval")
     if cfg.gradient_merge and cfg.gradient_merge_configs.k_steps == 1:

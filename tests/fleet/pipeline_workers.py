@@ -11,7 +11,8 @@ import torch.distributed as dist
 from helpers.pipeline import STAGED
 from zoo import OPTIMIZERS, ZOO
 
-from fleetc import CollectiveError
+import fleetc
+from fleetc import CollectiveError, fleet
 from fleetc.capture import capture_train_program
 from fleetc.passes.pipeline_parallel.partition import partition
 from fleetc.passes.pipeline_parallel.schedule import build_schedule
@@ -46,6 +47,63 @@ def train(rank: int, args: dict, out_dir: str) -> None:
                os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def fleet_train(rank: int, args: dict, out_dir: str) -> None:
+    """The user's path: fleet.init, distributed_optimizer and fleetc.compile with strategy.pipeline on, each pipeline
+    replica (mesh order: dp outermost) fed its shard of the same global batches. Saves the losses, the mesh and this
+    rank's stage parameters."""
+    fleet.init(is_collective=True)
+    world, stages = dist.get_world_size(), args["stages"]
+    replicas = world // stages
+    make, optimizer_name = STAGED[args["model"]]
+    torch.manual_seed(rank)  # different on every rank: the trainer broadcasts rank 0's parameters
+    model = make(stages)
+    strategy = fleetc.DistributedStrategy()
+    strategy.pipeline = True
+    strategy.pipeline_configs = {"micro_batch_size": args["batch"] // (replicas * args["microbatches"]),
+                                 "accumulate_steps": args["microbatches"], "schedule_mode": args["mode"]}
+    if args.get("k_steps", 1) > 1:
+        strategy.gradient_merge = True
+        strategy.gradient_merge_configs = {"k_steps": args["k_steps"]}
+    opt = fleet.distributed_optimizer(OPTIMIZERS[optimizer_name](model.parameters()), strategy)
+    clip = fleetc.ClipGradByGlobalNorm(args["clip_norm"]) if args.get("clip_norm") else None
+    trainer = fleetc.compile(model, optimizer=opt, loss_fn=ZOO[args["model"]].loss_fn, grad_clip=clip)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(args["steps"]):
+        batch, _ = ZOO[args["model"]].make_batch(g)
+        losses.append(float(trainer.step(*(a.chunk(replicas)[rank // stages] for a in batch))))
+    pipe = trainer._last_train.pipeline
+    named = {n: p.detach().clone() for n, p in model.named_parameters()}  # before a checkpoint gathers the rest
+    evaluated = trainer(batch[0]) if args.get("evaluate") else None   # every rank calls it
+    resumed = {}
+    if args.get("checkpoint"):
+        fleet.save_persistables(os.path.join(out_dir, "checkpoint"))
+        resumed = _resume(rank, args, strategy, os.path.join(out_dir, "checkpoint"), g)
+    torch.save({"losses": losses, "mesh": str(trainer.mesh), "executor": type(pipe).__name__, "evaluated": evaluated, "resumed": resumed,
+                "skipped": trainer.report().skipped,
+                "params": {n: named[n] for n in pipe.plan.stages[pipe.ranks_here[0]].params}},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+    fleet.barrier_worker()
+    fleet.stop_worker()
+
+
+def _resume(rank: int, args: dict, strategy, dirname: str, g: torch.Generator) -> dict:
+    """A fresh model and trainer on the same pipeline load the checkpoint and take the next step: this rank's stage
+    parameters after it."""
+    make, optimizer_name = STAGED[args["model"]]
+    torch.manual_seed(100 + rank)
+    model = make(args["stages"])
+    opt = fleet.distributed_optimizer(OPTIMIZERS[optimizer_name](model.parameters()), strategy)
+    trainer = fleetc.compile(model, optimizer=opt, loss_fn=ZOO[args["model"]].loss_fn)
+    fleet.load_persistables(dirname, trainer)
+    batch, _ = ZOO[args["model"]].make_batch(g)
+    replicas = dist.get_world_size() // args["stages"]
+    trainer.step(*(a.chunk(replicas)[rank // args["stages"]] for a in batch))
+    pipe = trainer._last_train.pipeline
+    named = dict(model.named_parameters())
+    return {n: named[n].detach().clone() for n in pipe.plan.stages[pipe.ranks_here[0]].params}
 
 
 def disagreeing_plans(rank: int, args: dict, out_dir: str) -> None:

@@ -9,6 +9,7 @@ import torch
 from helpers.pipeline import STAGED, eager_accumulating_step
 from zoo import OPTIMIZERS, ZOO
 
+import fleetc
 from fleet.spawn import spawn
 
 pytestmark = pytest.mark.slow  # CI still runs them
@@ -29,7 +30,7 @@ def _reference(zoo_name: str) -> tuple[list[float], dict]:
     return losses, {n: p.detach() for n, p in model.named_parameters()}
 
 
-MODES = ["1F1B", "ZBH1"] + (["FThenB"] if os.environ.get("FLEETC_FULL") else [])
+MODES = ["ZBH1"] + (["1F1B", "FThenB"] if os.environ.get("FLEETC_FULL") else [])  # 1F1B, FThenB: the fleet tests
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -48,6 +49,119 @@ def test_two_stage_gpt_over_gloo_matches_eager(mode, tmp_path):
             held.add(name)
     assert held == set(params)                                       # every parameter is some stage's
     assert "tok.weight" in results[0].result["params"] and "tok.weight" in results[1].result["params"]  # tied
+
+
+def _fleet_reference(zoo_name: str, stages: int, microbatches: int, k_steps: int = 1,
+                     clip_norm: float | None = None) -> tuple[list[float], dict]:
+    """Eager PyTorch on one process: per step, the gradient of the mean loss over the global batch's micro-batches
+    (every replica's micro-batches: the replicas' average gradient is the gradient of that mean); one update every
+    k_steps steps on their average, clipped to the global norm `clip_norm`."""
+    make, optimizer_name = STAGED[zoo_name]
+    torch.manual_seed(0)
+    model = make(stages)
+    optimizer = OPTIMIZERS[optimizer_name](model.parameters())
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for step in range(STEPS * k_steps):
+        batch, _ = ZOO[zoo_name].make_batch(g)
+        losses.append(eager_accumulating_step(model, optimizer, ZOO[zoo_name].loss_fn, batch, microbatches,
+                                              update=(step + 1) % k_steps == 0, divide=k_steps, clip_norm=clip_norm))
+    return losses, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _check_fleet_run(results: list, zoo_name: str, stages: int, microbatches: int, **reference: float) -> None:
+    replicas = len(results) // stages
+    for r in results:
+        assert r.returncode == 0, r.output[-3000:]
+    losses, params = _fleet_reference(zoo_name, stages, replicas * microbatches, **reference)
+    held: dict[str, set] = {}
+    for r in results:
+        assert r.result["executor"] == "DistributedPipeline" and "pipeline_split" not in r.result["skipped"]
+        assert r.result["mesh"].startswith(f"dp={replicas} × pp={stages}")
+        pipeline = results[r.rank - r.rank % stages: r.rank - r.rank % stages + stages]
+        assert all(p.result["losses"] == r.result["losses"] for p in pipeline)  # one loss per pipeline
+        for name, value in r.result["params"].items():
+            torch.testing.assert_close(value, params[name],
+                                       msg=lambda m, name=name, rank=r.rank: f"rank {rank} {name}: {m}")
+            held.setdefault(name, set()).add(r.rank)
+    assert set(held) == set(params)  # every parameter is some stage's
+    # each replica's loss is the mean over its own micro-batches; their mean is the reference's
+    replica_losses = torch.tensor([results[d * stages].result["losses"] for d in range(replicas)])
+    torch.testing.assert_close(replica_losses.mean(0), torch.tensor(losses, dtype=replica_losses.dtype))
+
+
+FLEET_CASES = [("gpt", "1F1B")] + ([("gpt", "FThenB"), ("cnn", "1F1B")] if os.environ.get("FLEETC_FULL") else [])
+
+
+@pytest.mark.parametrize("zoo_name, mode", FLEET_CASES)
+def test_fleet_compile_runs_one_stage_per_process(zoo_name, mode, tmp_path):
+    """fleet.init + distributed_optimizer + fleetc.compile with strategy.pipeline: one stage per process over gloo,
+    matching eager accumulation over the same micro-batches (GPT: tied embeddings on both stages)."""
+    args = {"model": zoo_name, "mode": mode, "microbatches": MICROBATCHES, "steps": STEPS, "stages": 2, "batch": 4}
+    results = spawn(2, "fleet_train", args, tmp_path, deadline_s=150, module="fleet.pipeline_workers")
+    _check_fleet_run(results, zoo_name, 2, MICROBATCHES)
+    if zoo_name == "gpt":
+        assert all("tok.weight" in r.result["params"] for r in results)  # tied: both stages hold it
+
+
+def test_gradient_merge_and_global_norm_clipping_across_processes(tmp_path):
+    """CNN, FThenB, one stage per process: gradient merge k_steps=2 (one update every 2 step() calls, on the average)
+    and ClipGradByGlobalNorm, whose norm is summed over the two processes' stages."""
+    args = {"model": "cnn", "mode": "FThenB", "microbatches": MICROBATCHES, "steps": 2 * STEPS, "stages": 2,
+            "batch": 4, "k_steps": 2, "clip_norm": 0.1}
+    results = spawn(2, "fleet_train", args, tmp_path, deadline_s=150, module="fleet.pipeline_workers")
+    _check_fleet_run(results, "cnn", 2, MICROBATCHES, k_steps=2, clip_norm=0.1)
+
+
+def test_checkpoint_and_evaluation_of_a_two_stage_run(tmp_path):
+    """Evaluation on every rank sees the whole current model. The checkpoint resumes on the same pipeline. Each
+    stage's state (CNN: parameters, BatchNorm statistics, momentum buffers) is gathered before the first
+    rank writes: the checkpoint loads into a single process, which then trains on exactly like eager."""
+    args = {"model": "cnn", "mode": "1F1B", "microbatches": MICROBATCHES, "steps": STEPS, "stages": 2, "batch": 4,
+            "checkpoint": True, "evaluate": True}
+    results = spawn(2, "fleet_train", args, tmp_path, deadline_s=150, module="fleet.pipeline_workers")
+    _check_fleet_run(results, "cnn", 2, MICROBATCHES)
+    make, optimizer_name = STAGED["cnn"]
+    torch.manual_seed(0)
+    reference = make(2)
+    reference_optimizer = OPTIMIZERS[optimizer_name](reference.parameters())
+    model = make(2)
+    strategy = fleetc.DistributedStrategy()
+    strategy.pipeline = True
+    strategy.pipeline_configs = {"micro_batch_size": 1, "accumulate_steps": MICROBATCHES}
+    trainer = fleetc.compile(model, strategy, optimizer=OPTIMIZERS[optimizer_name](model.parameters()),
+                             loss_fn=ZOO["cnn"].loss_fn)
+    trainer.load_checkpoint(str(tmp_path / "checkpoint"))
+    g = torch.Generator().manual_seed(1)
+    for step in range(STEPS + 1):
+        batch, _ = ZOO["cnn"].make_batch(g)
+        expected = eager_accumulating_step(reference, reference_optimizer, ZOO["cnn"].loss_fn, batch, MICROBATCHES)
+        if step == STEPS - 1:   # what the two processes saved: parameters and BatchNorm statistics
+            for name, value in reference.state_dict().items():
+                torch.testing.assert_close(model.state_dict()[name], value, msg=lambda m, name=name: f"{name}: {m}")
+            reference.eval()
+            with torch.no_grad():                # evaluation on every rank sees every stage's current state
+                for r in results:
+                    torch.testing.assert_close(r.result["evaluated"], reference(batch[0]))
+            reference.train()
+    torch.testing.assert_close(trainer.step(*batch), torch.tensor(expected))  # one more step: momentum restored too
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, msg=lambda m, name=name: f"{name}: {m}")
+    final = dict(reference.named_parameters())
+    for r in results:      # the same two-process pipeline resumed from the checkpoint took the same next step
+        assert r.result["resumed"]
+        for name, value in r.result["resumed"].items():
+            torch.testing.assert_close(value, final[name], msg=lambda m, name=name, rank=r.rank: f"rank {rank} "
+                                       f"resumed {name}: {m}")
+
+
+@pytest.mark.parametrize("zoo_name", ["gpt"] + (["cnn"] if os.environ.get("FLEETC_FULL") else []))
+def test_pipeline_times_data_parallel_on_four_processes(zoo_name, tmp_path):
+    """pp=2 × dp=2: each stage averages its summed gradients over its dp group ([0, 2] and [1, 3]); matches one
+    process accumulating over all four micro-batches."""
+    args = {"model": zoo_name, "mode": "1F1B", "microbatches": 2, "steps": STEPS, "stages": 2, "batch": 4}
+    results = spawn(4, "fleet_train", args, tmp_path, deadline_s=240, module="fleet.pipeline_workers")
+    _check_fleet_run(results, zoo_name, 2, 2)
 
 
 @pytest.mark.parametrize("fault", ["kill", "hang"])

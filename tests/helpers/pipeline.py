@@ -77,14 +77,24 @@ def pipelined(zoo_name: str, mode: str, ranks: int, microbatches: int, vpp: int 
     return model, pipe, reference, reference_optimizer
 
 
-def eager_accumulating_step(model, optimizer, loss_fn, args: tuple, microbatches: int) -> float:
-    """The reference: one update on the gradients of the mean micro-batch loss (each micro-batch on its own, so
-    BatchNorm sees each micro-batch's statistics)."""
+def eager_accumulating_step(model, optimizer, loss_fn, args: tuple, microbatches: int, *, update: bool = True,
+                            divide: int = 1, clip_norm: float | None = None) -> float:
+    """The reference: the gradients of the mean micro-batch loss (each micro-batch on its own, so BatchNorm sees each
+    micro-batch's statistics), accumulated into p.grad; with `update`, they are divided by `divide` (gradient merge's
+    avg over its k steps), clipped to the global norm `clip_norm` (Paddle's ClipGradByGlobalNorm) and applied."""
     total = 0.0
     for micro in zip(*(a.chunk(microbatches) for a in args)):
         loss = loss_fn(model(micro[0]), micro[1]) / microbatches
         loss.backward()
         total += loss.item()
-    optimizer.step()
-    optimizer.zero_grad()
+    if update:
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        for grad in grads:
+            grad.div_(divide)
+        if clip_norm is not None:
+            norm = torch.stack([grad.norm() for grad in grads]).norm()
+            for grad in grads:
+                grad.mul_(clip_norm / torch.clamp_min(norm, clip_norm))
+        optimizer.step()
+        optimizer.zero_grad()
     return total

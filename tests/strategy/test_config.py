@@ -5,9 +5,7 @@ from __future__ import annotations
 import pickle
 
 import pytest
-import torch
 
-import fleetc
 from fleetc.errors import StrategyError
 from fleetc.strategy import (
     BuildStrategy,
@@ -173,17 +171,16 @@ def test_adaptive_localsgd_wins_over_localsgd():
     assert "adaptive_localsgd" in decisions[0].reason
 
 
-def test_gradient_merge_with_pipeline_is_refused_not_dropped():
+def test_gradient_merge_with_pipeline_is_kept_and_reported_not_dropped():
     """Regression: gradient merge was switched off 'because pipeline accumulates', so k_steps=4 updated every
-    step. The pair's rule (k_steps multiplies the update interval) is not built, so it is refused by name."""
-    strategy = fleetc.DistributedStrategy()
-    strategy.pipeline = True
-    strategy.gradient_merge = True
-    strategy.gradient_merge_configs = {"k_steps": 4}
-    model = torch.nn.Linear(4, 2)
-    with pytest.raises(StrategyError, match="gradient_merge with pipeline"):
-        fleetc.compile(model, strategy, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                       loss_fn=lambda out, y: ((out - y) ** 2).mean())
+    step. Both stay on, and the decision states the rule (k_steps multiplies the update interval; the interval
+    itself is tested in tests/passes/pipeline_parallel/test_split.py)."""
+    cfg, decisions = conflicts_of(pipeline=True, gradient_merge=True, gradient_merge_configs={"k_steps": 4},
+                                  pipeline_configs={"accumulate_steps": 3})
+    assert cfg.gradient_merge and cfg.pipeline and cfg.gradient_merge_configs.k_steps == 4
+    assert [str(d) for d in decisions] == [("gradient_merge: merged by the pipeline (with pipeline, k_steps multiplies "
+                                            "the update interval: one update every 4 step() calls, i.e. every 4 × 3 "
+                                            "micro-batches)")]
 
 
 def test_gradient_merge_of_one_step_and_recompute_without_checkpoints_are_switched_off():

@@ -32,6 +32,7 @@ from fleetc.passes.data_parallel.merged import (
     merged_values,
     note_moved,
 )
+from fleetc.passes.pipeline_parallel.stages import pipelined
 
 
 def data_parallel_world(program: Program) -> int:
@@ -102,6 +103,10 @@ class InsertAllreduce:
             return program, report
         if "local_sgd" in program.metadata:
             report.skipped_reason = "local SGD: ranks update locally and average parameters instead (local_sgd)"
+            return program, report
+        if pipelined(program, config):
+            report.skipped_reason = ("pipeline: each stage averages its gradients, summed over the micro-batches, "
+                                     "across the data-parallel replicas in its optimizer Program (pipeline_split)")
             return program, report
         algorithm = algorithm_for(config, world)
         block = program.global_block

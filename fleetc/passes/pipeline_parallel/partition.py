@@ -27,8 +27,16 @@ from dataclasses import dataclass, field
 
 from fleetc.errors import PassError
 from fleetc.ir.program import Block, Op, OpRole, Program, Ref, Var, VarKind
+from fleetc.passes.pipeline_parallel.clip import split_clip_ops
+from fleetc.passes.pipeline_parallel.replicas import (
+    average_over_replicas,
+    local_name,
+    record_groups,
+    replica_count,
+)
 from fleetc.passes.pipeline_parallel.stages import (
     StageMap,
+    annotated_stage,
     assign_stages,
     is_backward,
     is_forward,
@@ -65,6 +73,7 @@ class PipelinePlan:
     shared: dict[str, list[int]] = field(default_factory=dict)
     activations: list[list[str]] = field(default_factory=list)  # [s]: what stage s sends to s+1
     gradients: list[list[str]] = field(default_factory=list)    # [s]: what stage s sends to s-1 (s ≥ 1)
+    replicas: int = 1  # data-parallel replicas of every stage (replicas.py)
 
     def describe(self) -> str:
         lines = [f"pipeline: {len(self.stages)} stage(s), {self.microbatches} micro-batch(es)"]
@@ -75,6 +84,9 @@ class PipelinePlan:
                          + (f"; sends {', '.join(self.gradients[s])} back" if self.gradients[s] else ""))
         for name, holders in sorted(self.shared.items()):
             lines.append(f"  shared parameter {name}: stages {', '.join(map(str, holders))}, gradients summed")
+        if self.replicas > 1:
+            lines.append(f"  each stage averages its summed gradients over {self.replicas} data-parallel replicas "
+                         "(one allreduce per stage per step, in its optimizer Program)")
         return "\n".join(lines)
 
 
@@ -87,13 +99,15 @@ def partition(program: Program, microbatches: int) -> PipelinePlan:
     ops = work.global_block.ops
     for op in ops:
         if op.role & OpRole.COLLECTIVE:
-            raise PassError(f"{where(op)}: collectives (data parallel) inside a pipelined Program are not supported "
-                            "yet; run pipeline without data parallel")
+            raise PassError(f"{where(op)}: this collective (sync_batch_norm, local SGD or a sharding bucket) cannot "
+                            "be split across pipeline stages yet; switch that strategy off under pipeline (data "
+                            "parallel itself composes: each stage averages its gradients in its optimizer Program)")
     _seed_loss_gradient(ops, microbatches)
     stage_map = assign_stages(work)
     shared = _split_shared_gradients(work, stage_map)
     stage_map = assign_stages(work)
     param_stages = _param_stages(work, stage_map, shared)
+    split_clip_ops(work, param_stages, stage_map.count)
     opt_stages = _optimizer_stages(work, stage_map, param_stages)
     count = stage_map.count
     st = stage_map.stage
@@ -109,10 +123,14 @@ def partition(program: Program, microbatches: int) -> PipelinePlan:
                    for s in range(count)]
     gradients = [sorted(n for n in produced_on if n in temp and produced_on[n] >= s and min(reads_on.get(n, {count})) < s)
                  for s in range(count)]
+    replicas = replica_count(work)
     stages = []
     for s in range(count):
-        stages.append(_stage_programs(work, s, stage_map, opt_stages, activations, gradients, shared, param_stages))
-    return PipelinePlan(stages, microbatches, shared, activations, gradients)
+        stages.append(_stage_programs(work, s, stage_map, opt_stages, activations, gradients, shared, param_stages,
+                                      replicas))
+    if replicas > 1:
+        record_groups(program)
+    return PipelinePlan(stages, microbatches, shared, activations, gradients, replicas)
 
 
 def _seed_loss_gradient(ops: list[Op], microbatches: int) -> None:
@@ -244,11 +262,14 @@ def _optimizer_stages(program: Program, stage_map: StageMap, param_stages: dict[
         for name in op.inputs:
             readers.setdefault(name, []).append(op)
     for op in reversed(ops):
+        if annotated_stage(op) is not None:  # placed by the split already (clip.py)
+            placed[op.name] = {annotated_stage(op)}
+            continue
         touched = [n for n in [*op.inputs, *op.defined] if n in param_stages]
         stages = {s for n in touched for s in param_stages[n]}
         if touched and len({tuple(param_stages[n]) for n in touched}) > 1:
-            raise PassError(f"{where(op)} updates parameters of several pipeline stages at once (global-norm "
-                            "clipping or a fused update); it cannot be split across stages yet")
+            raise PassError(f"{where(op)} updates parameters of several pipeline stages at once (a fused "
+                            "update); it cannot be split across stages yet")
         if not stages:
             stages = {s for n in op.defined for r in readers.get(n, ()) for s in placed.get(r.name, ())}
         placed[op.name] = stages or set(range(stage_map.count))
@@ -257,7 +278,7 @@ def _optimizer_stages(program: Program, stage_map: StageMap, param_stages: dict[
 
 def _stage_programs(program: Program, s: int, stage_map: StageMap, opt_stages: dict[str, set[int]],
                     activations: list[list[str]], gradients: list[list[str]], shared: dict[str, list[int]],
-                    param_stages: dict[str, list[int]]) -> StagePrograms:
+                    param_stages: dict[str, list[int]], replicas: int) -> StagePrograms:
     ops = program.global_block.ops
     st = stage_map.stage
     count = stage_map.count
@@ -271,15 +292,17 @@ def _stage_programs(program: Program, s: int, stage_map: StageMap, opt_stages: d
     grad_fetch = {}
     for param, grad in grads.items():
         if param in shared and s in shared[param]:
-            grad_fetch[f"{grad}@stage{s}"] = f"{grad}@stage{s}"
+            grad_fetch[local_name(f"{grad}@stage{s}", replicas)] = f"{grad}@stage{s}"
         elif param not in shared and s in param_stages.get(param, ()):
-            grad_fetch[grad] = grad
+            grad_fetch[local_name(grad, replicas)] = grad
     recv_act = _recv(program, activations[s - 1], s - 1, "activation") if s > 0 else []
     send_act = _send(activations[s], s + 1, "activation") if s < count - 1 else []
     recv_grad = _recv(program, gradients[s + 1], s + 1, "gradient") if s < count - 1 else []
     send_grad = _send(sends_back, s - 1, "gradient") if s > 0 else []
     optimizer_ops = [_shared_sum(program, grads[p], s, holders) for p, holders in sorted(shared.items())
                      if s in holders] + optimizer
+    if replicas > 1 and grad_fetch:
+        optimizer_ops = average_over_replicas(program, s, sorted(grad_fetch.values())) + optimizer_ops
     bodies = {
         "forward": recv_act + forward + send_act,
         "backward_input": recv_grad + b_ops + send_grad,

@@ -21,6 +21,7 @@ from fleetc.errors import PassStrategyError, StrategyError
 from fleetc.ir.program import Program, VarKind
 from fleetc.passes.base import PassReport
 from fleetc.passes.pipeline_parallel.auto import auto_partition
+from fleetc.passes.pipeline_parallel.clip import SQUARED_NORM
 from fleetc.passes.pipeline_parallel.partition import PipelinePlan, partition
 from fleetc.passes.pipeline_parallel.schedule import Schedule, build_schedule
 from fleetc.passes.pipeline_parallel.simulate import simulate
@@ -28,6 +29,7 @@ from fleetc.passes.pipeline_parallel.stages import (
     assign_stages,
     has_stage_annotations,
     is_optimize,
+    runs_whole,
 )
 
 
@@ -37,16 +39,14 @@ class PipelineSplit:
     summary = "place ops on device_guard stages (or cut automatically), build per-stage Programs and the schedule"
     reads: tuple[str, ...] = ("pipeline", "pipeline_configs.micro_batch_size", "pipeline_configs.accumulate_steps",
                               "pipeline_configs.schedule_mode", "pipeline_configs.vpp_degree",
-                              "hybrid_configs.pp_degree")
+                              "hybrid_configs.pp_degree", "gradient_merge", "gradient_merge_configs.k_steps",
+                              "gradient_merge_configs.avg")
 
     def run(self, program: Program, config: Any) -> tuple[Program, PassReport]:
         report = PassReport(self.name)
-        if program.metadata.get("kind") == "eval":
-            report.skipped_reason = "an evaluation Program runs whole (forward-only pipelining is not built yet)"
-            return program, report
-        if not any(is_optimize(op) for _, op in program.walk_ops()):
-            report.skipped_reason = ("no optimizer update in the Program: pipelining needs fleetc.compile(optimizer=...) "
-                                     "(without one, gradients go to p.grad and the Program runs whole)")
+        whole = runs_whole(program)
+        if whole:
+            report.skipped_reason = whole
             return program, report
         if config.amp:
             raise PassStrategyError("pipeline with amp is not supported yet: found_inf and the loss-scaling state "
@@ -68,12 +68,22 @@ class PipelineSplit:
         _check_batch(program, pipe.micro_batch_size)
         with _as_pass_error():
             schedule = _schedule(pipe.schedule_mode, stages, microbatches, pipe.vpp_degree)
+        if pipe.vpp_degree > 1 and any(op.type == SQUARED_NORM for op in program.global_block.ops):
+            raise PassStrategyError("global-norm gradient clipping with schedule_mode VPP is not supported yet: the "
+                                    "norm is summed over the chunks, and a rank holding several would wait on itself; "
+                                    "use 1F1B, FThenB or ZBH1, or ClipGradByNorm")
         plan = partition(program, microbatches)
         simulation = simulate(schedule)
         _annotate(program, plan)
+        merge = config.gradient_merge_configs if config.gradient_merge else None
         program.metadata["pipeline"] = {"stages": stages, "microbatches": microbatches,
                                         "schedule_mode": pipe.schedule_mode, "vpp_degree": pipe.vpp_degree,
-                                        "bubble_fraction": round(simulation.bubble_fraction, 4)}
+                                        "bubble_fraction": round(simulation.bubble_fraction, 4),
+                                        "k_steps": merge.k_steps if merge else 1, "merge_avg": bool(merge and merge.avg)}
+        if merge:
+            report.notes.append(f"gradient merge: one update every {merge.k_steps} step() calls ({merge.k_steps} × "
+                                f"{microbatches} micro-batches), on the gradients "
+                                + ("averaged over" if merge.avg else "summed over") + " those calls")
         report.changed = True
         report.stats.update(stages=stages, microbatches=microbatches, shared_params=len(plan.shared),
                             boundary_values=sum(map(len, plan.activations)) + sum(map(len, plan.gradients)))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from fleetc.errors import PassError
 from fleetc.ir.program import Op, OpRole, Program
@@ -39,6 +40,30 @@ def where(op: Op) -> str:
     """How an error names an op: its name, type and source line."""
     source = op.attrs.get("source")
     return f"op {op.name!r} ({op.type}{', ' + source if source else ''})"
+
+
+def runs_whole(program: Program) -> str | None:
+    """Why the pipeline pass leaves a Program whole whatever the stages (None: it splits it when there are several)."""
+    if program.metadata.get("kind") == "eval":
+        return "an evaluation Program runs whole (forward-only pipelining is not built yet)"
+    if not any(is_optimize(op) for _, op in program.walk_ops()):
+        return ("no optimizer update in the Program: pipelining needs fleetc.compile(optimizer=...) "
+                "(without one, gradients go to p.grad and the Program runs whole)")
+    return None
+
+
+def pipelined(program: Program, config: Any) -> bool:
+    """Whether the pipeline pass will split this Program into several stages (asked by the passes before it that
+    would otherwise put per-step collectives into it: under pipeline, each stage averages its summed gradients
+    across data-parallel replicas in its own optimizer Program instead)."""
+    if not config.pipeline or runs_whole(program):
+        return False
+    return (pipeline_stages(program) or config.hybrid_configs.pp_degree) > 1
+
+
+def pipeline_stages(program: Program) -> int | None:
+    """The number of device_guard stages of a training Program (None: no annotations)."""
+    return assign_stages(program).count if has_stage_annotations(program) else None
 
 
 @dataclass

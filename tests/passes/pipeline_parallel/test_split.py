@@ -156,6 +156,81 @@ def test_compiled_step_runs_pipelined_and_matches_eager_accumulation(mode):
     assert "pipeline" not in trainer.report().skipped
 
 
+@pytest.mark.parametrize("avg", [True, False])
+def test_gradient_merge_multiplies_the_update_interval(avg):
+    """gradient_merge k_steps=2 with accumulate_steps=2: one update every 2 step() calls, on the gradients of the
+    4 micro-batches (averaged over the 2 calls with avg, summed without), as eager accumulation does."""
+    k_steps, m = 2, 2
+    torch.manual_seed(0)
+    model = StagedGPT(2)
+    reference = copy.deepcopy(model)
+    strategy = _strategy(accumulate_steps=m, micro_batch_size=2)
+    strategy.gradient_merge = True
+    strategy.gradient_merge_configs = {"k_steps": k_steps, "avg": avg}
+    trainer = fleetc.compile(model, strategy, optimizer=OPTIMIZERS["momentum"](model.parameters()),
+                             loss_fn=ZOO["gpt"].loss_fn)
+    reference_optimizer = OPTIMIZERS["momentum"](reference.parameters())
+    g = torch.Generator().manual_seed(1)
+    for step in range(2 * k_steps):
+        before = [p.detach().clone() for p in model.parameters()]
+        args, _ = ZOO["gpt"].make_batch(g)
+        loss = trainer.step(*args)
+        updates = (step + 1) % k_steps == 0
+        expected = eager_accumulating_step(reference, reference_optimizer, ZOO["gpt"].loss_fn, args, m,
+                                           update=updates, divide=k_steps if avg else 1)
+        torch.testing.assert_close(loss, torch.tensor(expected), msg=lambda msg, step=step: f"step {step}: {msg}")
+        assert updates != all(torch.equal(p, q) for p, q in zip(before, model.parameters()))
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, msg=lambda msg, name=name: f"{name}: {msg}")
+    report = trainer.report()
+    assert report.skipped["gradient_merge"].startswith("pipeline: each stage keeps its gradient sums over 2")
+    assert any("gradient merge: one update every 2 step() calls" in n for n in report.notes["pipeline_split"])
+    assert any(d.startswith("gradient_merge: merged by the pipeline") for d in report.decisions)
+
+
+@pytest.mark.parametrize("clip", [fleetc.ClipGradByGlobalNorm(0.5), fleetc.ClipGradByNorm(0.05)],
+                         ids=["global_norm", "norm"])
+def test_gradient_clipping_across_stages_matches_eager(clip):
+    """Each stage clips its own gradients; the global norm is summed over the stages (the tied embedding's gradient
+    counted once), so every stage scales by the norm of all gradients, as eager clipping does."""
+    torch.manual_seed(0)
+    model = StagedGPT(2)
+    reference = copy.deepcopy(model)
+    trainer = fleetc.compile(model, _strategy(accumulate_steps=2, micro_batch_size=2, schedule_mode="ZBH1"),
+                             optimizer=OPTIMIZERS["momentum"](model.parameters()), loss_fn=ZOO["gpt"].loss_fn,
+                             grad_clip=clip, verify=True)
+    reference_optimizer = OPTIMIZERS["momentum"](reference.parameters())
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        args, _ = ZOO["gpt"].make_batch(g)
+        trainer.step(*args)
+        for micro in zip(*(a.chunk(2) for a in args)):
+            (ZOO["gpt"].loss_fn(reference(micro[0]), micro[1]) / 2).backward()
+        grads = [p.grad for p in reference.parameters()]
+        if isinstance(clip, fleetc.ClipGradByGlobalNorm):
+            norm = torch.stack([gr.norm() for gr in grads]).norm()
+            assert norm > clip.clip_norm                                  # the clip really scales
+            for gr in grads:
+                gr.mul_(clip.clip_norm / torch.clamp_min(norm, clip.clip_norm))
+        else:
+            assert any(gr.norm() > clip.clip_norm for gr in grads)
+            for gr in grads:
+                gr.mul_(clip.clip_norm / torch.clamp_min(gr.norm(), clip.clip_norm))
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, msg=lambda msg, name=name: f"{name}: {msg}")
+    assert "pipeline_split" in trainer.report().applied
+
+
+def test_global_norm_clipping_with_vpp_is_refused_by_name():
+    model = StagedGPT(4)
+    with pytest.raises(StrategyError, match="global-norm gradient clipping with schedule_mode VPP"):
+        fleetc.compile(model, _strategy(accumulate_steps=2, micro_batch_size=2, schedule_mode="VPP", vpp_degree=2),
+                       optimizer=OPTIMIZERS["sgd"](model.parameters()), loss_fn=ZOO["gpt"].loss_fn,
+                       grad_clip=fleetc.ClipGradByGlobalNorm(1.0)).step(*ZOO["gpt"].make_batch(torch.Generator())[0])
+
+
 class Skip(nn.Module):
     """Stage 2 reads a value of stage 0 (a skip connection): it must be relayed through stage 1."""
 

@@ -1,0 +1,66 @@
+"""Pipeline × data parallel at the Program level (no processes): the per-step allreduce pass leaves a pipelined
+Program alone, and each stage's optimizer Program averages that stage's summed gradients over its dp group in one
+bucket. The numbers are checked on 4 gloo processes in tests/fleet/test_pipeline.py."""
+from __future__ import annotations
+
+import torch
+from helpers.pipeline import StagedGPT
+from zoo import ZOO
+
+import fleetc
+from fleetc.capture import capture_train_program
+from fleetc.ir.program import OpRole
+from fleetc.passes.data_parallel import InsertAllreduce
+from fleetc.passes.data_parallel.common import START, WAIT
+from fleetc.passes.pipeline_parallel.split import PipelineSplit, pipeline_plan
+from fleetc.strategy import resolve_conflicts, resolve_strategy
+
+DP_GROUPS = [[0, 2], [1, 3]]  # the mesh's dp partition for dp=2 × pp=2
+
+
+def _split(replicas: int):
+    strategy = fleetc.DistributedStrategy()
+    strategy.pipeline = True
+    strategy.pipeline_configs = {"micro_batch_size": 1, "accumulate_steps": 2}
+    config, _ = resolve_conflicts(resolve_strategy(strategy))
+    torch.manual_seed(0)
+    model = StagedGPT(2)
+    batch, _ = ZOO["gpt"].make_batch(torch.Generator().manual_seed(0))
+    program = capture_train_program(model, ZOO["gpt"].loss_fn, torch.optim.SGD(model.parameters(), lr=0.1),
+                                    tuple(a[:1] for a in batch), {})
+    program.metadata["data_parallel"] = {"world_size": replicas, "groups": DP_GROUPS}
+    program, allreduce = InsertAllreduce().run(program, config)
+    program, _ = PipelineSplit().run(program, config)
+    return program, allreduce, pipeline_plan(program)[0]
+
+
+def test_each_stage_averages_its_gradient_sums_in_one_bucket_per_step():
+    program, allreduce, plan = _split(2)
+    assert allreduce.skipped_reason.startswith("pipeline: each stage averages its gradients")
+    assert program.metadata["collective_groups"] == {"dp:0": DP_GROUPS}
+    assert "over 2 data-parallel replicas" in plan.describe()
+    for stage in plan.stages:
+        optimizer = stage.phases["optimizer"]
+        starts = [op for op in optimizer.global_block.ops if op.type == START]
+        waits = [op for op in optimizer.global_block.ops if op.type == WAIT]
+        assert len(starts) == len(waits) == 1 and starts[0].args[3] == 0  # one bucket, group dp:0
+        averaged = set(waits[0].outputs)
+        summed = {key[5:] for phase in ("backward", "backward_weight")
+                  for key in stage.phases[phase].fetches if key.startswith("grad:")}
+        assert summed == {name + "@LOCAL" for name in averaged}            # the micro-batch sums travel as @LOCAL
+        assert summed <= set(optimizer.feeds)
+        for phase in ("forward", "backward", "backward_input", "backward_weight"):  # no per-micro-batch allreduce
+            assert not [op for op in stage.phases[phase].global_block.ops
+                        if op.role & OpRole.COLLECTIVE and not op.type.startswith("fleetc.pipeline_")]
+    tied = [name for name in plan.shared]
+    assert tied and all(f"{program.metadata['optimizer']['grads'][p]}@stage{s}" in set(w.outputs)
+                        for p in tied for s in plan.shared[p]
+                        for w in [next(op for op in plan.stages[s].phases["optimizer"].global_block.ops
+                                       if op.type == WAIT)])          # shared parts averaged before the cross-stage sum
+
+
+def test_one_replica_adds_no_collective():
+    _, _, plan = _split(1)
+    for stage in plan.stages:
+        assert not [op for op in stage.phases["optimizer"].global_block.ops if op.type == START]
+        assert not any(key.endswith("@LOCAL") for phase in stage.phases.values() for key in phase.fetches)
