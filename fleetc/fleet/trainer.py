@@ -1,7 +1,7 @@
 """The data-parallel compiled trainer: a CompiledTrainer whose Programs allreduce gradients across ranks."""
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, ContextManager, Iterable
 
 import torch
 import torch.distributed as dist
@@ -131,6 +131,11 @@ class DataParallelTrainer(CompiledTrainer):
             stats["sharding"] = per_rank_bytes(self.model, self.optimizer, self.program, self.mesh.sharding,
                                                self.config.sharding_configs.stage, RS_WAIT, GATHER_WAIT, whole_numel)
         return stats
+
+    def whole_parameters(self) -> ContextManager[None]:
+        """Inside the block every parameter of the model is whole and current (sharding stage 3: gathered from their
+        owners, a collective every rank enters; otherwise they already are)."""
+        return whole(self._sharded_params)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Copies of the whole, current parameters and buffers on every rank (stage 3: gathered from their owners;

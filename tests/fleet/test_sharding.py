@@ -134,10 +134,12 @@ def resume_in_one_process(checkpoint: str) -> dict:
 
 
 @pytest.mark.slow
-def test_sharded_checkpoint_resumes_on_two_ranks_and_in_one_process(tmp_path):
-    """Written by 2 ranks under stage 2, read back by 2 ranks (each keeps its own share) and by one process."""
+@pytest.mark.parametrize("stage", [2, 3])
+def test_sharded_checkpoint_resumes_on_two_ranks_and_in_one_process(tmp_path, stage):
+    """Written by 2 ranks under stage 2 or 3 (parameters gathered for the write), read back by 2 ranks (each keeps
+    its own share) and by one process."""
     checkpoint = str(tmp_path / "ckpt")
-    results = spawn(2, "checkpoint_round_trip", {"strategy": sharded(2), "save": checkpoint, "load": checkpoint},
+    results = spawn(2, "checkpoint_round_trip", {"strategy": sharded(stage), "save": checkpoint, "load": checkpoint},
                     tmp_path / "ranks", deadline_s=120, module="fleet.sharding_workers")
     assert_all_ok(results)
     continued = results[0].result["continued"]
