@@ -146,3 +146,12 @@ def gathered_params(gathered: torch.Tensor, starts: list, shapes: list) -> torch
             numel *= d
         views.append(gathered[start:start + numel].view(shape))
     return views[0] if len(views) == 1 else tuple(views)
+
+
+@register_op("c_sharding_norm_sum", "global-norm clipping under stages 2 and 3: the squared norm of every rank's "
+             "gradient shards, summed over the sharding group")
+def c_sharding_norm_sum(squared_norm: torch.Tensor, group: str) -> torch.Tensor:
+    total = squared_norm.clone()
+    blocking_collective("sharding gradient-norm allreduce", dist.all_reduce, total, op=dist.ReduceOp.SUM,
+                        group=groups.group(group))
+    return total

@@ -210,3 +210,29 @@ def test_a_dead_rank_in_the_reduce_scatter_fails_the_survivor_within_the_timeout
     error = survivor.result["error"]
     assert "sharding gradient reduce-scatter 'bucket0'" in error and "rank(s) [1] did not reach it" in error, error
     assert survivor.result["seconds"] < 5.0 + 8.0
+
+
+# Global-norm clipping where each rank keeps only its gradient shards: the squared norm of the kept gradients is
+# summed over the sharding group, so every rank clips by the norm of all of them, as unsharded data parallel does
+# (itself checked against eager in test_data_parallel.py); under AMP each rank clips the shards it unscaled.
+# clip_norm 0.05 clips every step of the mlp.
+def clipped(strategy: dict, clip: list | None = ("global_norm", 0.05)) -> dict:
+    return {"optimizer": "adam", "steps": 3, "grad_clip": list(clip) if clip else None, "strategy": strategy}
+
+
+CLIPPED = [clipped({}), clipped(sharded(2)), clipped(sharded(3)), clipped({"amp": True}),
+           clipped({**sharded(2), "amp": True}), clipped({}, clip=None)]
+
+
+@pytest.mark.slow
+def test_global_norm_clipping_under_stages_2_and_3_equals_data_parallel(tmp_path):
+    results = spawn(2, "train_configs", {"configs": CLIPPED}, tmp_path, deadline_s=240,
+                    module="fleet.optimizer_workers")
+    assert_all_ok(results)
+    for result in results:
+        plain, stage_2, stage_3, amp, stage_2_amp, unclipped = result.result
+        for reference, run in ((plain, stage_2), (plain, stage_3), (amp, stage_2_amp)):
+            assert run["stats"]["sharding"]["clip_norm_allreduces"] == 1
+            for name, value in reference["state"].items():
+                torch.testing.assert_close(run["state"][name], value, msg=lambda m: f"{name}: {m}")
+        assert any(not torch.allclose(unclipped["state"][k], v) for k, v in plain["state"].items())

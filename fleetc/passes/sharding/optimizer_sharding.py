@@ -32,6 +32,7 @@ from fleetc.passes.data_parallel.common import (
     var_numel,
 )
 from fleetc.passes.data_parallel.merged import merged_values
+from fleetc.passes.sharding.clip_sharding import clip_kept_gradients
 from fleetc.passes.sharding.param_sharding import parameter_owners, shard_parameters
 from fleetc.passes.sharding.plan import ShardedBucket, assign_owners
 
@@ -204,6 +205,7 @@ class Sharding:
         foreign = {f"{p}@GRAD" for p, owner in owners.items() if owner != rank}
         self._check_finite_over_ranks(program, block, foreign, DP_GROUP if meta.get("dp_degree", 1) > 1 else "",
                                       report)
+        clip_kept_gradients(program, GROUP, report)
         eliminate_dead_ops(program, block, set(program.fetches.values()))  # e.g. a transpose of a gradient nobody reads
         kept = {name for op in block.ops for name in op.defined}
         for grad in [g for g in block.vars if g.endswith("@GRAD") and g not in kept
@@ -211,8 +213,7 @@ class Sharding:
             readers = [op.name for _, op in program.walk_ops() if grad in block_reads(program, op)]
             if readers:
                 raise StrategyError(f"sharding_configs.stage 2: op {readers[0]!r} reads gradient {grad!r}, which this "
-                                    "rank does not keep (another rank owns it); use stage 1 with this Program "
-                                    "(global-norm gradient clipping, say, needs every gradient)")
+                                    "rank does not keep (another rank owns it); use stage 1 with this Program")
             del block.vars[grad]
 
     def _check_finite_over_ranks(self, program: Program, block: Block, foreign: set[str], dp_group: str,
