@@ -236,3 +236,28 @@ def test_global_norm_clipping_under_stages_2_and_3_equals_data_parallel(tmp_path
             for name, value in reference["state"].items():
                 torch.testing.assert_close(run["state"][name], value, msg=lambda m: f"{name}: {m}")
         assert any(not torch.allclose(unclipped["state"][k], v) for k, v in plain["state"].items())
+
+
+MESH_CONFIGS = [{"zoo": "mlp", "optimizer": "momentum", "steps": 3,
+                 "strategy": {**sharded(stage), "hybrid_configs": {"dp_degree": 2, "sharding_degree": 2}}}
+                for stage in (1, 2, 3)]
+
+
+@pytest.mark.skipif(not os.environ.get("FLEETC_FULL"), reason="4 processes: FLEETC_FULL=1")
+def test_data_parallel_replicas_of_sharding_groups_on_four_ranks(tmp_path):
+    """dp_degree=2 × sharding_degree=2: ranks 0, 1 and ranks 2, 3 are sharding groups, (0, 2) and (1, 3) replicas
+    of the same shard. Every stage trains as eager on the whole batch (summed over all 4 ranks' shards)."""
+    results = spawn(4, "train_sharded", {"configs": MESH_CONFIGS}, tmp_path, deadline_s=420,
+                    module="fleet.sharding_workers")
+    assert_all_ok(results)
+    for i, config in enumerate(MESH_CONFIGS):
+        check_run(results, i, 4, config, per_shard=True, atol=FP32_ATOL)
+        runs = [r.result["runs"][i] for r in results]
+        owned = [run["report"]["sharding"]["owned_params"] for run in runs]
+        assert owned[0] == owned[2] and owned[1] == owned[3] and owned[0] + owned[1] == runs[0]["params"], owned
+        held = [run["held_param_elements"] for run in runs]
+        whole = runs[0]["memory"]["parameters"]
+        if config["strategy"]["sharding_configs"]["stage"] == 3:
+            assert held[0] == held[2] and held[1] == held[3] and held[0] + held[1] == whole, held
+        for run in runs:
+            torch.testing.assert_close(run["eval"], run["eager_eval"])
