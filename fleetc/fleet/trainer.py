@@ -15,7 +15,7 @@ from fleetc.comm.plan import check_plans_agree, check_ranks_agree
 from fleetc.compiler import CompiledStep, CompiledTrainer
 from fleetc.errors import CheckpointError
 from fleetc.fleet.sharded_params import ShardedParameters, sharded_parameters, whole
-from fleetc.fleet.sharded_state import consolidated_optimizer, drop_foreign_state, owned_parameters
+from fleetc.fleet.sharded_state import drop_foreign_state, owned_parameters, save_sharded_checkpoint
 from fleetc.fleet.sharding_memory import per_rank_bytes
 from fleetc.ir.program import Program
 from fleetc.passes.manager import History
@@ -156,8 +156,10 @@ class DataParallelTrainer(CompiledTrainer):
     def _save_whole(self, dirname: str) -> str:
         rng = host.gather_objects(rng_state(), "checkpoint (gathering RNG states)")
         live = self._live_state()
-        if self._owned is not None and self.optimizer is not None:  # sharded: every rank's entries, in one file
-            live.optimizer = consolidated_optimizer(self.optimizer)
+        if self._owned is not None and self.optimizer is not None:  # sharded: each shard's entries in its own file
+            coordinates = self.mesh.coordinates(env.rank())
+            return save_sharded_checkpoint(dirname, live, self.config, rng, coordinates["sharding"],
+                                           writes_shard=coordinates["dp"] == 0)
         written, problem = "", None
         if env.rank() == 0:
             try:

@@ -10,6 +10,7 @@ parameters are compared at torch's fp32 tolerance, as the single-process differe
 from __future__ import annotations
 
 import os
+import pathlib
 
 import pytest
 import torch
@@ -142,6 +143,10 @@ def test_sharded_checkpoint_resumes_on_two_ranks_and_in_one_process(tmp_path, st
     results = spawn(2, "checkpoint_round_trip", {"strategy": sharded(stage), "save": checkpoint, "load": checkpoint},
                     tmp_path / "ranks", deadline_s=120, module="fleet.sharding_workers")
     assert_all_ok(results)
+    version = pathlib.Path(checkpoint, (pathlib.Path(checkpoint) / "LATEST").read_text().strip())
+    shards = sorted(p.name for p in version.glob("optimizer.shard*.pt"))
+    assert shards == ["optimizer.shard00000.pt", "optimizer.shard00001.pt"]  # each rank wrote its own
+    assert torch.load(version / "optimizer.pt")["state"] == {}
     continued = results[0].result["continued"]
     for result in results:
         for name, value in continued.items():
