@@ -25,6 +25,7 @@ from fleetc.passes.sharding.optimizer_sharding import RS_WAIT
 from fleetc.passes.sharding.param_sharding import GATHER_WAIT
 from fleetc.report import CompileReport
 from fleetc.runtime.checkpoint import TrainerState, load_checkpoint, rng_state, save_checkpoint
+from fleetc.runtime.guards import GuardCheck, observe_guards
 from fleetc.runtime.step_cache import DEFAULT_CACHE_LIMIT
 
 
@@ -112,14 +113,17 @@ class DataParallelTrainer(CompiledTrainer):
             except (RuntimeError, dist.DistError) as exc:
                 raise collective_failed("process group creation", exc,
                                         env.collective_timeout().total_seconds()) from exc
-            if kind != "train":
-                return compiled
+        if self.world_size > 1 and kind == "train":
             self._owned = owned_parameters(compiled.program.metadata)
             if self._owned is not None:
                 drop_foreign_state(self.optimizer, self.model, self._owned)  # e.g. loaded from a checkpoint
-            self._sharded_params = sharded_parameters(self.model, compiled.program.metadata)
-            if self._sharded_params is not None:  # stage 3: keep only the parameters this rank owns
-                self._sharded_params.release()
+            if self._sharded_params is None:
+                self._sharded_params = sharded_parameters(self.model, compiled.program.metadata)
+                if self._sharded_params is not None:  # stage 3: keep only the parameters this rank owns
+                    self._sharded_params.release()
+        if self._sharded_params is not None:  # the guards describe the model as steps see it: released
+            compiled.guards = GuardCheck(observe_guards(kind, self.model, self.optimizer, args, kwargs,
+                                                        compiled.program), self.model, self.optimizer)
         return compiled
 
     def memory_stats(self) -> dict[str, Any]:

@@ -43,6 +43,9 @@ def train_sharded(rank: int, args: dict, out_dir: str) -> None:
         eager.eval()
         with torch.no_grad():
             run["eager_eval"] = eager(*inputs)
+        # What the guards see when their cheap identity check misses (stage 3: the released parameters) must still
+        # match what they recorded, or every such step would recompile.
+        run["guard_failures"] = [step.guards.failure() for step in (trainer._last_train, trainer._last_eval)]
         run["op_types"] = sorted({op.type for _, op in program.walk_ops()})
         runs.append(run)
     torch.save({"runs": runs}, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -70,6 +70,7 @@ def check_sharding(results, configs: list[dict], world: int) -> None:
         else:
             assert all(h == runs[0]["memory"]["parameters"] for h in held), held
         for run in runs:
+            assert run["guard_failures"] == [None, None]
             torch.testing.assert_close(run["eval"], run["eager_eval"])
             assert run["full_state"].keys() == run["state"].keys()
             assert all(torch.equal(run["full_state"][k], v) for k, v in run["state"].items())
@@ -175,9 +176,9 @@ def test_checkpoint_of_four_ranks_resumes_on_two(tmp_path):
         torch.testing.assert_close(written[0].result["continued"][name], value, msg=lambda m: f"{name}: {m}")
 
 
-def stage_2_beside_plain_data_parallel(strategy: dict, zoo: str = "mlp", steps: int = 3) -> list[dict]:
+def stage_2_beside_plain_data_parallel(strategy: dict, zoo: str = "mlp", steps: int = 3, stage: int = 2) -> list[dict]:
     return [{"zoo": zoo, "optimizer": "adam", "steps": steps, "dropout_off": True, "strategy": dict(strategy, **extra)}
-            for extra in ({}, sharded(2))]
+            for extra in ({}, sharded(stage))]
 
 
 # Stage 2 must train exactly as unsharded data parallel does under each composed strategy (which itself matches
@@ -191,14 +192,25 @@ COMPOSED = [
 ]
 
 
+# Stage 3 as well: the gathered parameters are exact copies, so again bit for bit.
+COMPOSED_3 = [
+    *stage_2_beside_plain_data_parallel({"amp": True}, stage=3),
+    *stage_2_beside_plain_data_parallel({"gradient_merge": True, "gradient_merge_configs": {"k_steps": 2}}, steps=4,
+                                        stage=3),
+    *stage_2_beside_plain_data_parallel({"recompute": True, "recompute_configs": {"checkpoints": ["layers.0"]}},
+                                        zoo="gpt", stage=3),
+]
+
+
 @pytest.mark.slow
-def test_stage_2_composes_with_amp_gradient_merge_and_recompute(tmp_path):
-    results = spawn(2, "train_sharded", {"configs": COMPOSED}, tmp_path, deadline_s=180,
+@pytest.mark.parametrize("composed", [COMPOSED, COMPOSED_3], ids=["stage_2", "stage_3"])
+def test_stages_2_and_3_compose_with_amp_gradient_merge_and_recompute(tmp_path, composed):
+    results = spawn(2, "train_sharded", {"configs": composed}, tmp_path, deadline_s=240,
                     module="fleet.sharding_workers")
     assert_all_ok(results)
     for result in results:
         runs = result.result["runs"]
-        for plain, sharded_run, config in zip(runs[::2], runs[1::2], COMPOSED[1::2]):
+        for plain, sharded_run, config in zip(runs[::2], runs[1::2], composed[1::2]):
             for name, value in plain["state"].items():
                 assert torch.equal(sharded_run["state"][name], value), (config["strategy"], name)
             assert any(not torch.equal(plain["initial"][k], v) for k, v in plain["state"].items())
