@@ -8,8 +8,8 @@ for the duration of a `with` block, then releases them again.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 from torch import nn

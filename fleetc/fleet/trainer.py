@@ -1,7 +1,8 @@
 """The data-parallel compiled trainer: a CompiledTrainer whose Programs allreduce gradients across ranks."""
 from __future__ import annotations
 
-from typing import Any, Callable, ContextManager, Iterable
+from contextlib import AbstractContextManager
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -136,7 +137,7 @@ class DataParallelTrainer(CompiledTrainer):
                                                self.config.sharding_configs.stage, RS_WAIT, GATHER_WAIT, whole_numel)
         return stats
 
-    def whole_parameters(self) -> ContextManager[None]:
+    def whole_parameters(self) -> AbstractContextManager[None]:
         """Inside the block every parameter of the model is whole and current (sharding stage 3: gathered from their
         owners, a collective every rank enters; otherwise they already are)."""
         return whole(self._sharded_params)

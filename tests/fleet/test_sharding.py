@@ -251,7 +251,7 @@ def test_global_norm_clipping_under_stages_2_and_3_equals_data_parallel(tmp_path
         for reference, run in ((plain, stage_2), (plain, stage_3), (amp, stage_2_amp)):
             assert run["stats"]["sharding"]["clip_norm_allreduces"] == 1
             for name, value in reference["state"].items():
-                torch.testing.assert_close(run["state"][name], value, msg=lambda m: f"{name}: {m}")
+                torch.testing.assert_close(run["state"][name], value, msg=lambda m, name=name: f"{name}: {m}")
         assert any(not torch.allclose(unclipped["state"][k], v) for k, v in plain["state"].items())
 
 

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from fleetc.comm.sharding_ops import owner_major_starts
 from fleetc.errors import StrategyError
 from fleetc.ir.liveness import aliased_input, block_reads
 from fleetc.ir.program import Block, Op, OpRole, Program, Ref, Var, VarKind
 from fleetc.passes.base import PassReport
 from fleetc.passes.data_parallel.bucketing import MB, plan_buckets
 from fleetc.passes.data_parallel.common import common_module, var_numel
-from fleetc.comm.sharding_ops import owner_major_starts
 from fleetc.passes.sharding.plan import ShardedBucket, assign_owners
 
 GATHER_START = "fleetc.c_sharding_param_gather_start"
@@ -159,7 +159,7 @@ def _drop_foreign(program: Program, block: Block, foreign: set[str]) -> None:
         stale = foreign.intersection(op.inputs)
         if stale:
             raise StrategyError(f"sharding_configs.stage 3: op {op.name!r} ({op.type}) reads parameter "
-                                f"{sorted(stale)[0]!r}, which this rank does not hold, outside the forward and "
+                                f"{min(stale)!r}, which this rank does not hold, outside the forward and "
                                 "backward phases (use stage 2 with this Program)")
     for name in foreign:
         block.vars.pop(name, None)

@@ -9,7 +9,11 @@ from fleetc.comm.plan import collective_plan
 from fleetc.fleet.trainer import sharding_metadata
 from fleetc.ir.liveness import block_reads
 from fleetc.ir.program import OpRole, VarKind
-from fleetc.passes.sharding.param_sharding import GATHER_START, GATHER_WAIT, GATHERED_VIEWS
+from fleetc.passes.sharding.param_sharding import (
+    GATHER_START,
+    GATHER_WAIT,
+    GATHERED_VIEWS,
+)
 
 
 @pytest.mark.parametrize("segment_mb", [32.0, 0.01])
