@@ -223,7 +223,8 @@ def test_a_model_that_cannot_be_exported_names_the_construct_and_the_line(tmp_pa
 
 
 def test_sharding_stage3_and_pipeline_hook(tmp_path, monkeypatch):
-    """Sharding stage 3 in one process shards nothing: exported whole, with a note (released parameters are refused). A pipeline with one process per stage
+    """Sharding stage 3 in one process shards nothing: exported whole, with a note; released parameters are
+    refused. A pipeline with one process per stage
     holds part of the weights on each rank, so export refuses until gathering is built."""
     strategy = fleetc.DistributedStrategy()
     strategy.sharding = True
