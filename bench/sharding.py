@@ -1,11 +1,11 @@
-"""Sharding: per-rank state bytes and step time of fleetc's stages 0-2 beside torch DDP and FSDP2 (fully_shard).
+"""Sharding: per-rank state bytes and step time of fleetc's stages 0-3 beside torch DDP and FSDP2 (fully_shard).
 
 Usage: OMP_NUM_THREADS=1 python bench/sharding.py [--world 2] [--layers 12] [--width 256] [--batch 32]
                                                   [--rounds 5] [--steps 10]
 Starts `--world` ranks on loopback (gloo) itself; rank 0 prints the table. Model: a stack of Linear+ReLU
 layers, AdamW, MSE loss. "state MB per rank" is what a rank holds between steps plus the gradients it keeps
 for its update: parameters + gradients + optimizer state (fleetc: `memory_stats()["sharding"]`, stage 0 counted
-the same way; DDP and FSDP2: the local tensors, FSDP2's DTensor shards by their local size). Step times are the
+the same way; stage 3's parameters gathered in flight are not in it, `gathered_in_flight_bytes` gives them; DDP and FSDP2: the local tensors, FSDP2's DTensor shards by their local size). Step times are the
 median over interleaved rounds; take them with 2 ranks only (more ranks than cores measure the scheduler).
 """
 from __future__ import annotations
@@ -87,7 +87,7 @@ def worker(options: argparse.Namespace) -> None:
     rank, world = fleet.worker_index(), fleet.worker_num()
     x, y = torch.randn(options.batch, options.width), torch.randn(options.batch, options.width)
     variants = {f"fleetc stage {s}" + (" (plain data parallel)" if s == 0 else ""): fleetc_variant(options, s)
-                for s in (0, 1, 2)}
+                for s in (0, 1, 2, 3)}
     variants["torch DDP"] = eager_variant(DistributedDataParallel(make_model(options)))
     fsdp = make_model(options)
     mesh = init_device_mesh("cpu", (world,))

@@ -25,7 +25,7 @@ from fleetc.comm.collectives import (
 from fleetc.ir.registry import register_op
 
 
-def _slots(numels: list[int], owners: list[int], segment: int) -> list[int]:
+def owner_major_starts(numels: list[int], owners: list[int], segment: int) -> list[int]:
     """Start of each tensor in the owner-major padded buffer."""
     filled: dict[int, int] = {}
     starts = []
@@ -47,7 +47,7 @@ def c_sharding_allgather(params: list, owners: list, segment: int, group: str, l
         mine[:owned.numel()] = owned
     gathered = torch.empty(segment * len(groups.group_ranks(group)), dtype=mine.dtype, device=mine.device)
     blocking_collective(label, dist.all_gather_single, gathered, mine, group=groups.group(group))
-    for param, owner, start in zip(params, owners, _slots([p.numel() for p in params], owners, segment)):
+    for param, owner, start in zip(params, owners, owner_major_starts([p.numel() for p in params], owners, segment)):
         if owner != me:
             param.copy_(gathered[start:start + param.numel()].view(param.shape))
 
@@ -70,7 +70,7 @@ def c_sharding_reduce_scatter_start(grads: list, owners: list, segment: int, gro
     label = f"sharding gradient reduce-scatter {label!r}"
     ranks = len(groups.group_ranks(group))
     flat = torch.zeros(segment * ranks, dtype=grads[0].dtype, device=grads[0].device)
-    for grad, start in zip(grads, _slots([g.numel() for g in grads], owners, segment)):
+    for grad, start in zip(grads, owner_major_starts([g.numel() for g in grads], owners, segment)):
         flat[start:start + grad.numel()].view(grad.shape).copy_(grad)
     shard = torch.empty(segment, dtype=flat.dtype, device=flat.device)
     work = run_collective(label, dist.reduce_scatter_single, shard, flat, op=dist.ReduceOp.SUM,
@@ -104,3 +104,54 @@ def c_sharding_found_inf_max(found_inf: torch.Tensor, group: str, dp_group: str)
             blocking_collective("sharding found_inf max-allreduce", dist.all_reduce, flag, op=dist.ReduceOp.MAX,
                                 group=groups.group(name))
     return flag
+
+
+@dataclass
+class PendingParamGather:
+    """An issued parameter all-gather: its work handle and the owner-major buffer it fills."""
+
+    work: object
+    gathered: torch.Tensor
+    label: str
+
+
+@register_op("c_sharding_param_gather_start", "stage 3: pack the bucket's parameters this rank owns into its segment "
+             "and issue the bucket's all-gather over the sharding group (async)")
+def c_sharding_param_gather_start(owned: list, segment: int, dtype: torch.dtype, device: str, group: str,
+                                  label: str) -> PendingParamGather:
+    label = f"sharding parameter gather {label!r}"
+    ranks = len(groups.group_ranks(group))
+    mine = torch.zeros(segment, dtype=dtype, device=device)
+    if owned:  # consecutive at the start of this rank's segment, in bucket order
+        packed = torch.cat([p.reshape(-1) for p in owned])
+        mine[:packed.numel()] = packed
+    gathered = torch.empty(segment * ranks, dtype=dtype, device=device)
+    work = run_collective(label, dist.all_gather_single, gathered, mine, group=groups.group(group), async_op=True)
+    return PendingParamGather(work, gathered, label)
+
+
+@register_op("c_sharding_param_gather_wait", "stage 3: wait for a bucket's parameter all-gather; the owner-major "
+             "buffer holding every parameter of the bucket")
+def c_sharding_param_gather_wait(pending: PendingParamGather) -> torch.Tensor:
+    wait_collective(pending.label, pending.work)
+    return pending.gathered
+
+
+@register_op("gathered_params", "stage 3: views of the parameters other ranks own, out of a gathered bucket")
+def gathered_params(gathered: torch.Tensor, starts: list, shapes: list) -> torch.Tensor | tuple:
+    views = []
+    for start, shape in zip(starts, shapes):
+        numel = 1
+        for d in shape:
+            numel *= d
+        views.append(gathered[start:start + numel].view(shape))
+    return views[0] if len(views) == 1 else tuple(views)
+
+
+@register_op("c_sharding_norm_sum", "global-norm clipping under stages 2 and 3: the squared norm of every rank's "
+             "gradient shards, summed over the sharding group")
+def c_sharding_norm_sum(squared_norm: torch.Tensor, group: str) -> torch.Tensor:
+    total = squared_norm.clone()
+    blocking_collective("sharding gradient-norm allreduce", dist.all_reduce, total, op=dist.ReduceOp.SUM,
+                        group=groups.group(group))
+    return total

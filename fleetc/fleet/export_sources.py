@@ -85,12 +85,17 @@ def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def full_weights(trainer: CompiledTrainer, notes: list[str]) -> dict[str, torch.Tensor]:
-    """The complete trained weights. The hook where pipeline parallelism across processes (and sharding stage 3, once
-    it partitions parameters) will gather the parts each rank holds; until then such an export is refused."""
+    """The complete trained weights. Under sharding stage 3 the caller has gathered them (fleet.save_inference_model
+    does, on every rank); pipeline parallelism across processes is where gathering the stages' parts will go, and
+    until then such an export is refused."""
     config = trainer.config
     if config.sharding and config.sharding_configs.stage >= 3:
-        notes.append("sharding stage 3 keeps every parameter whole on every rank in this version (parameter "
-                     "sharding is not built), so the weights are complete")
+        if any(p.numel() == 0 for p in trainer.model.parameters()):
+            raise ExportError("save_inference_model under sharding stage 3: this rank holds only the parameters it "
+                              "owns; call fleet.save_inference_model on every rank (it gathers them), or export "
+                              "inside `with trainer.whole_parameters():` entered on every rank")
+        notes.append("sharding stage 3: the weights were whole for the export (gathered from their owners across "
+                     "processes; in one process nothing is sharded)")
     if config.pipeline and world_size() > 1:  # a pipeline run in one process updates the whole model
         raise ExportError("save_inference_model under pipeline with one process per stage: each rank holds part of "
                           "the weights, and gathering them for export is not implemented yet")

@@ -2,6 +2,8 @@
 torch.distributed.rpc (docs/parameter_server.md)."""
 from __future__ import annotations
 
+import contextlib
+
 import os
 from typing import Any, Callable
 
@@ -246,13 +248,15 @@ class Fleet:
         export_sources.check_feed_names(trainer.model, export_sources.as_names(feeded_var_names, "feeded_var_names"))
         if isinstance(trainer, ParameterServerTrainer):  # the calling worker exports the servers' current weights
             trainer.pull_all()
-        if self.role is not None and not self.is_first_worker():
-            self.barrier_worker()
-            return None
-        try:
-            return inference.save_inference_model(trainer, dirname, feeded_var_names, target_vars, main_program,
-                                                  export_for_deployment, dynamic_batch=dynamic_batch)
-        finally:  # also when the export fails: the others are released now, not at the collective timeout
-            if self.role is not None:
+        whole = getattr(trainer, "whole_parameters", contextlib.nullcontext)  # sharding stage 3: gathered, all ranks
+        with whole():
+            if self.role is not None and not self.is_first_worker():
                 self.barrier_worker()
+                return None
+            try:
+                return inference.save_inference_model(trainer, dirname, feeded_var_names, target_vars, main_program,
+                                                      export_for_deployment, dynamic_batch=dynamic_batch)
+            finally:  # also when the export fails: the others are released now, not at the collective timeout
+                if self.role is not None:
+                    self.barrier_worker()
 

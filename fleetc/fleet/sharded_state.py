@@ -1,32 +1,60 @@
 """Optimizer state under sharding: each rank keeps only its parameters' entries; checkpoints hold all of them.
 
-A checkpoint is consolidated (every rank's entries gathered, one rank writes them as one ordinary
-`optimizer.state_dict()`), so it loads into any number of ranks and into a single process; after a load
-or a compile each rank drops the entries of parameters it does not own (resharding to the new plan).
+A checkpoint holds one optimizer file per shard, each written by a rank that holds it, through the crash-safe
+commit (one version, committed by the first rank after all shards are in). Loading merges every shard back into
+one `optimizer.state_dict()`, so a checkpoint loads into any number of ranks and into a single process; after a
+load or a compile each rank drops the entries of parameters it does not own (resharding to the new plan).
 """
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Any
 
 import torch
 from torch import nn
 
-from fleetc.capture.optimizer_state import shadow_optimizer
-from fleetc.comm import host
+from fleetc.comm import env, host
+from fleetc.errors import CheckpointError
+from fleetc.runtime import checkpoint_commit
+from fleetc.runtime.checkpoint import TrainerState, write_checkpoint
+
+SHARD_FILE = "optimizer.shard{:05d}.pt"
 
 
-def consolidated_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """A view of `optimizer` holding every rank's state entries (a collective: every rank calls it)."""
-    gathered = host.gather_objects(optimizer.state_dict()["state"], "checkpoint (gathering sharded optimizer state)")
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    merged: dict = defaultdict(dict)
-    for entries in gathered:  # data-parallel replicas of an owner hold the same entries
-        for index, entry in entries.items():
-            merged[params[index]] = entry
-    shadow = shadow_optimizer(optimizer, optimizer.param_groups[0], merged)
-    shadow.param_groups = optimizer.param_groups
-    return shadow
+def save_sharded_checkpoint(root: str, live: TrainerState, config: Any, rng: list, shard_index: int,
+                            writes_shard: bool) -> str:
+    """Every rank calls it. The first rank stages a new version; each rank with `writes_shard` (one replica of each
+    shard) writes its own optimizer entries there as `optimizer.shard<index>.pt`; after a barrier the first rank
+    writes the rest and commits (checkpoint_commit), and every rank learns the outcome (CheckpointError on all when
+    any write failed; the staged version is then aborted)."""
+    staged, problem = None, None
+    if env.rank() == 0:
+        try:
+            staged = checkpoint_commit.begin(root)
+        except OSError as exc:
+            problem = f"{type(exc).__name__}: {exc}"
+    path, problem = host.gather_objects((staged.path if staged else None, problem),
+                                        "checkpoint (staging a version)")[0]
+    name = SHARD_FILE.format(shard_index)
+    if problem is None and writes_shard:
+        try:
+            checkpoint_commit.StagedVersion(root, 0, path).write(name, live.optimizer.state_dict()["state"])
+        except OSError as exc:
+            problem = f"rank {env.rank()} writing {name}: {type(exc).__name__}: {exc}"
+    written = host.gather_objects((name if writes_shard else None, problem), "checkpoint (writing shards)")
+    problems = [p for _, p in written if p is not None]
+    result = ""
+    if env.rank() == 0 and staged is not None:
+        if problems:
+            staged.abort()
+        else:
+            try:
+                result = write_checkpoint(staged, live, config, rng, sorted({n for n, _ in written if n}))
+            except (OSError, CheckpointError) as exc:
+                problems.append(f"{type(exc).__name__}: {exc}")
+    result, problems = host.gather_objects((result, problems), "checkpoint (waiting for the commit)")[0]
+    if problems:
+        raise CheckpointError(f"checkpoint {root!r} was not written: {problems[0]}")
+    return result
 
 
 def drop_foreign_state(optimizer: torch.optim.Optimizer | None, model: nn.Module, owned: set[str]) -> int:

@@ -3,8 +3,9 @@
 Ψ parameters, N ranks in the sharding group. Bytes per parameter element, (parameter, gradient, optimizer
 state): fp32 Adam/AdamW (4, 4, 8), `use_pure_fp16` Adam/AdamW (2, 2, 12: fp32 master + two moments), fp32 SGD
 with momentum (4, 4, 4), plain SGD (4, 4, 0). Stage 1 divides the optimizer state by N, stage 2 the gradients
-too (so fp32 Adam: 16Ψ → 8Ψ + 8Ψ/N → 4Ψ + 12Ψ/N). Gradient-merge accumulators come on top and are reported
-apart. Measured: parameters and optimizer state from the live tensors; gradients from the compiled Program (what
+too, stage 3 the parameters too (so fp32 Adam: 16Ψ → 8Ψ + 8Ψ/N → 4Ψ + 12Ψ/N → 16Ψ/N). Gradient-merge
+accumulators come on top and are reported apart, and so are stage 3's parameters gathered in flight (the
+two largest gathered buckets: the one in use and the one prefetched). Measured: parameters and optimizer state from the live tensors; gradients from the compiled Program (what
 the rank keeps for its update: every gradient, or under stage 2 its shards).
 """
 from __future__ import annotations
@@ -30,7 +31,8 @@ def formula_bytes(optimizer: torch.optim.Optimizer, numel: int, degree: int, sta
     weight = 2 if low_precision else 4
     state += MASTER_BYTES if low_precision else 0
     grads = weight * numel / (degree if stage >= 2 else 1)
-    return round(weight * numel + grads + state * numel / degree)
+    params = weight * numel / (degree if stage >= 3 else 1)
+    return round(params + grads + state * numel / degree)
 
 
 def gradient_bytes(program: Program, reduce_scatter_wait: str) -> int:
@@ -42,11 +44,18 @@ def gradient_bytes(program: Program, reduce_scatter_wait: str) -> int:
     return sum(v.nbytes() for name in grads.values() if (v := program.find_var(name)) is not None)
 
 
+def gather_buffer_bytes(program: Program, gather_wait: str) -> int:
+    """Stage 3's parameters in flight: the two largest gathered buckets (the one in use and the one prefetched)."""
+    sizes = sorted(program.var(op.outputs[0]).nbytes() for _, op in program.walk_ops() if op.type == gather_wait)
+    return sum(sizes[-2:])
+
+
 def per_rank_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, program: Program, degree: int, stage: int,
-                   reduce_scatter_wait: str) -> dict[str, Any]:
-    """This rank's parameter, gradient and optimizer-state bytes, and the formula's total for comparison."""
+                   reduce_scatter_wait: str, gather_wait: str, whole_numel: int | None = None) -> dict[str, Any]:
+    """This rank's parameter, gradient and optimizer-state bytes, and the formula's total for comparison
+    (`whole_numel`: Ψ under stage 3, where the module holds only this rank's parameters)."""
     params = list(model.parameters())
-    numel = sum(p.numel() for p in params)
+    numel = sum(p.numel() for p in params) if whole_numel is None else whole_numel
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     state_bytes = sum(t.numel() * t.element_size() for slot in optimizer.state.values() for t in slot.values()
                       if isinstance(t, torch.Tensor) and t.dim() > 0)
@@ -57,4 +66,4 @@ def per_rank_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, program: 
             "gradient_bytes": grads, "optimizer_state_bytes": state_bytes,
             "total_bytes": param_bytes + grads + state_bytes,
             "formula_bytes": formula_bytes(optimizer, numel, degree, stage, low),
-            "merge_accumulator_bytes": accumulators}
+            "merge_accumulator_bytes": accumulators, "gathered_in_flight_bytes": gather_buffer_bytes(program, gather_wait)}

@@ -1,6 +1,7 @@
 """The data-parallel compiled trainer: a CompiledTrainer whose Programs allreduce gradients across ranks."""
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Any, Callable, Iterable
 
 import torch
@@ -15,7 +16,8 @@ from fleetc.comm.plan import check_plans_agree, check_ranks_agree
 from fleetc.compiler import CompiledStep, CompiledTrainer
 from fleetc.errors import CheckpointError
 from fleetc.fleet.pipeline_state import gather_stage_state
-from fleetc.fleet.sharded_state import consolidated_optimizer, drop_foreign_state, owned_parameters
+from fleetc.fleet.sharded_params import ShardedParameters, sharded_parameters, whole
+from fleetc.fleet.sharded_state import drop_foreign_state, owned_parameters, save_sharded_checkpoint
 from fleetc.fleet.sharding_memory import per_rank_bytes
 from fleetc.ir.program import Program
 from fleetc.passes.manager import History
@@ -23,9 +25,11 @@ from fleetc.passes.optimizers import GradClip
 from fleetc.passes.pipeline_parallel.stages import pipeline_stages, pipelined
 from fleetc.passes.recompute import RecomputePolicy
 from fleetc.passes.sharding.optimizer_sharding import RS_WAIT
+from fleetc.passes.sharding.param_sharding import GATHER_WAIT
 from fleetc.report import CompileReport
 from fleetc.runtime.checkpoint import TrainerState, load_checkpoint, rng_state, save_checkpoint
 from fleetc.runtime.pipeline_local import DistributedPipeline, PipelineExecutor, make_pipeline
+from fleetc.runtime.guards import GuardCheck, observe_guards
 from fleetc.runtime.step_cache import DEFAULT_CACHE_LIMIT
 
 
@@ -89,6 +93,7 @@ class DataParallelTrainer(CompiledTrainer):
         self.world_size = env.world_size()
         self._owned: set[str] | None = None  # under sharding: the parameters this rank updates
         self._gathered_at = -1  # under a pipeline across processes: the step whose stage state was last gathered
+        self._sharded_params: ShardedParameters | None = None  # stage 3: the parameters this rank holds
         self.mesh, mesh_notes = resolve_mesh(self.config, self.world_size)
         self.decisions += [f"process mesh {self.mesh}", *mesh_notes]
         if self.world_size > 1:
@@ -106,8 +111,10 @@ class DataParallelTrainer(CompiledTrainer):
         return super()._optimize(program, capture_seconds)
 
     def _compile(self, kind: str, args: tuple, kwargs: dict, dynamic: DynamicDims) -> CompiledStep:
-        compiled = super()._compile(kind, args, kwargs, dynamic)
-        if self.world_size > 1 and kind == "train":
+        with whole(self._sharded_params, values=False):  # stage 3: capture sees whole-shaped parameters
+            compiled = super()._compile(kind, args, kwargs, dynamic)
+        gathers = bool(compiled.program.metadata.get("sharding", {}).get("param_owners"))  # stage 3 eval too
+        if self.world_size > 1 and (kind == "train" or gathers):
             # The plan check first: a dead rank or a disagreement fails here, cleanly, before group creation waits.
             check_plans_agree(compiled.program, {"the optimizer's settings": optimizer_settings(self.optimizer)})
             pipeline_group = {"pp": self.mesh.groups("pp")} if compiled.pipeline is not None else {}
@@ -116,9 +123,17 @@ class DataParallelTrainer(CompiledTrainer):
             except (RuntimeError, dist.DistError) as exc:
                 raise collective_failed("process group creation", exc,
                                         env.collective_timeout().total_seconds()) from exc
+        if self.world_size > 1 and kind == "train":
             self._owned = owned_parameters(compiled.program.metadata)
             if self._owned is not None:
                 drop_foreign_state(self.optimizer, self.model, self._owned)  # e.g. loaded from a checkpoint
+            if self._sharded_params is None:
+                self._sharded_params = sharded_parameters(self.model, compiled.program.metadata)
+                if self._sharded_params is not None:  # stage 3: keep only the parameters this rank owns
+                    self._sharded_params.release()
+        if self._sharded_params is not None:  # the guards describe the model as steps see it: released
+            compiled.guards = GuardCheck(observe_guards(kind, self.model, self.optimizer, args, kwargs,
+                                                        compiled.program), self.model, self.optimizer)
         return compiled
 
     def _make_pipeline(self, program: Program) -> PipelineExecutor:
@@ -147,9 +162,21 @@ class DataParallelTrainer(CompiledTrainer):
         bytes beside the ZeRO formula's (fleet/sharding_memory.py)."""
         stats = super().memory_stats()
         if self._owned is not None and self.optimizer is not None:
+            whole_numel = self._sharded_params.numel() if self._sharded_params is not None else None
             stats["sharding"] = per_rank_bytes(self.model, self.optimizer, self.program, self.mesh.sharding,
-                                               self.config.sharding_configs.stage, RS_WAIT)
+                                               self.config.sharding_configs.stage, RS_WAIT, GATHER_WAIT, whole_numel)
         return stats
+
+    def whole_parameters(self) -> AbstractContextManager[None]:
+        """Inside the block every parameter of the model is whole and current (sharding stage 3: gathered from their
+        owners, a collective every rank enters; otherwise they already are)."""
+        return whole(self._sharded_params)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Copies of the whole, current parameters and buffers on every rank (stage 3: gathered from their owners;
+        a collective, so every rank calls it)."""
+        with whole(self._sharded_params):
+            return super().full_state_dict()
 
     # ----- checkpointing: the first rank writes, every rank restores ------------------------
     def _live_state(self) -> TrainerState:
@@ -158,11 +185,17 @@ class DataParallelTrainer(CompiledTrainer):
     def save_checkpoint(self, dirname: str) -> str:
         """Every rank calls it: their RNG states are gathered, the first rank writes a new crash-safe version, and
         all wait for it (CheckpointError on every rank when the write failed)."""
+        with whole(self._sharded_params):
+            return self._save_whole(dirname)
+
+    def _save_whole(self, dirname: str) -> str:
         rng = host.gather_objects(rng_state(), "checkpoint (gathering RNG states)")
         self._gather_pipeline_stages()
         live = self._live_state()
-        if self._owned is not None and self.optimizer is not None:  # sharded: every rank's entries, in one file
-            live.optimizer = consolidated_optimizer(self.optimizer)
+        if self._owned is not None and self.optimizer is not None:  # sharded: each shard's entries in its own file
+            coordinates = self.mesh.coordinates(env.rank())
+            return save_sharded_checkpoint(dirname, live, self.config, rng, coordinates["sharding"],
+                                           writes_shard=coordinates["dp"] == 0)
         written, problem = "", None
         if env.rank() == 0:
             try:
@@ -182,7 +215,8 @@ class DataParallelTrainer(CompiledTrainer):
             failed = [(rank, p) for rank, p in enumerate(problems) if p is not None]
             if failed:
                 raise CheckpointError(f"checkpoint {dirname!r} does not fit rank {failed[0][0]}: {failed[0][1]}")
-        loaded = load_checkpoint(dirname, self._live_state(), self.config, agree)
+        with whole(self._sharded_params):  # stage 3: the checkpoint's whole parameters, then this rank's again
+            loaded = load_checkpoint(dirname, self._live_state(), self.config, agree)
         if self._owned is not None:  # the checkpoint holds every parameter's state: keep this rank's
             drop_foreign_state(self.optimizer, self.model, self._owned)
         return loaded

@@ -24,6 +24,8 @@ def _one_or_tuple(grads: list[torch.Tensor]) -> torch.Tensor | tuple[torch.Tenso
 def squared_global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """A separate op so that sharded or pipelined Programs can sum it across ranks before the square root."""
     dtype = _accumulation_dtype(grads)
+    if not grads:  # a sharding rank that keeps no gradient: its share of the norm
+        return torch.zeros((), dtype=dtype)
     norms = torch._foreach_norm([g.to(dtype) for g in grads])
     return torch.stack(norms).square().sum()
 

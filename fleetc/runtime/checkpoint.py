@@ -2,7 +2,8 @@
 
 A checkpoint directory (written through `checkpoint_commit`) holds three files:
 - `model.pt`: `model.state_dict()`;
-- `optimizer.pt`: `optimizer.state_dict()` (empty without an optimizer);
+- `optimizer.pt`: `optimizer.state_dict()` (empty without an optimizer); under sharding its state entries are in
+  per-rank shard files the manifest's meta lists (`optimizer_shards`), merged back on load;
 - `fleetc.pt`: `CompiledTrainer.state_dict()`: fleetc-owned state (counters, accumulators), the strategy state it
   belongs to (gradient merge, AMP), and the RNG state of every rank (so dropout continues the same stream).
 Loading reads and checks every file before it changes anything (keys, shapes, dtypes, the optimizer's kind and
@@ -200,13 +201,23 @@ class TrainerState:
 
 def save_checkpoint(root: str, state: TrainerState, config: Any, rng: list[dict[str, Any]]) -> str:
     """Write a new version of the checkpoint at `root` (crash-safe); returns its directory."""
-    staged = checkpoint_commit.begin(root)
+    return write_checkpoint(checkpoint_commit.begin(root), state, config, rng)
+
+
+def write_checkpoint(staged: checkpoint_commit.StagedVersion, state: TrainerState, config: Any,
+                     rng: list[dict[str, Any]], optimizer_shards: list[str] = ()) -> str:
+    """Write the trainer's files into `staged` and commit it (or abort it). `optimizer_shards`: files other writers
+    (sharding ranks) put into the staged version, each holding some entries of `optimizer.state_dict()["state"]`;
+    `optimizer.pt` then holds the param groups only, and loading merges the shards back."""
     try:
         staged.write("model.pt", state.model.state_dict())
-        staged.write("optimizer.pt", state.optimizer.state_dict() if state.optimizer is not None else {})
+        optimizer = state.optimizer.state_dict() if state.optimizer is not None else {}
+        staged.write("optimizer.pt", {**optimizer, "state": {}} if optimizer_shards else optimizer)
         staged.write("fleetc.pt", owned_state_dict(state.owned, config, rng))
         meta = {"optimizer": type(state.optimizer).__name__ if state.optimizer is not None else None,
                 "strategy_state": strategy_state(config)}
+        if optimizer_shards:
+            meta["optimizer_shards"] = list(optimizer_shards)
         return staged.commit(meta)
     except BaseException:
         staged.abort()
@@ -222,6 +233,8 @@ def load_checkpoint(root: str, state: TrainerState, config: Any,
     try:
         version = checkpoint_commit.open_latest(root, FILES)
         model_state, optimizer_state, owned_state = (version.read(name) for name in FILES)
+        for shard in version.meta.get("optimizer_shards", ()):  # written one file per sharding rank
+            optimizer_state["state"].update(version.read(shard))
         where = {name: f"{version.path}/{name}" for name in FILES}
         check_model_state(model_state, state.model, where["model.pt"])
         check_optimizer_state(optimizer_state, state.optimizer, version.meta.get("optimizer"),

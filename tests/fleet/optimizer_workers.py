@@ -38,7 +38,7 @@ def train(rank: int, world: int, config: dict) -> dict:
     losses = [trainer.step(*shard(batch, rank, world)) for batch in global_batches("mlp", config["steps"])]
     program = trainer.program
     report = trainer.report()
-    return {"initial": initial, "losses": losses, "state": model.state_dict(),
+    return {"initial": initial, "losses": losses, "state": trainer.full_state_dict(),
             "counters": {k: v.clone() for k, v in trainer.counters.items()}, "stats": report.stats,
             "notes": report.notes, "skipped": report.skipped,
             "collectives": sum(op.type == "fleetc.c_allreduce_start" for _, op in program.walk_ops())}

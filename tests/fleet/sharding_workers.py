@@ -15,7 +15,7 @@ import fleetc.fleet as fleet
 from fleetc import CollectiveError
 from fleetc.ir import registry
 from fleetc.passes.sharding.optimizer_sharding import RS_START
-from fleet.workers import global_batches, make_strategy, shard, train_with_trainer
+from fleet.workers import global_batches, make_model, make_strategy, shard, train_with_trainer
 
 
 def optimizer_state_elements(trainer) -> int:
@@ -34,12 +34,18 @@ def train_sharded(rank: int, args: dict, out_dir: str) -> None:
         run["state_elements"] = optimizer_state_elements(trainer)
         run["params"] = len(list(trainer.model.parameters()))
         run["full_state"] = trainer.full_state_dict()
+        run["held_param_elements"] = sum(p.numel() for p in trainer.model.parameters())
         run["memory"] = trainer.memory_stats().get("sharding")
         inputs = shard(global_batches(config["zoo"], 1)[0], rank, fleet.worker_num())[:-1]
         run["eval"] = trainer(*inputs)  # forward only under sharding, beside eager eval on the same parameters
-        trainer.model.eval()
+        eager = make_model(config)  # the trained parameters, whole (under stage 3 this rank holds only its own)
+        eager.load_state_dict(run["full_state"])
+        eager.eval()
         with torch.no_grad():
-            run["eager_eval"] = trainer.model(*inputs)
+            run["eager_eval"] = eager(*inputs)
+        # What the guards see when their cheap identity check misses (stage 3: the released parameters) must still
+        # match what they recorded, or every such step would recompile.
+        run["guard_failures"] = [step.guards.failure() for step in (trainer._last_train, trainer._last_eval)]
         run["op_types"] = sorted({op.type for _, op in program.walk_ops()})
         runs.append(run)
     torch.save({"runs": runs}, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -67,12 +73,12 @@ def checkpoint_round_trip(rank: int, args: dict, out_dir: str) -> None:
             trainer.step(*shard(batch, rank, world))
         trainer.save_checkpoint(args["save"])
         trainer.step(*shard(batches[2], rank, world))
-        out["continued"] = model.state_dict()
+        out["continued"] = trainer.full_state_dict()
     if args.get("load"):
         model, trainer = build(rank + 1)
         trainer.load_checkpoint(args["load"])
         trainer.step(*shard(batches[2], rank, world))
-        out["resumed"] = model.state_dict()
+        out["resumed"] = trainer.full_state_dict()
         out["state_elements"] = optimizer_state_elements(trainer)
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     fleet.barrier_worker()

@@ -223,15 +223,21 @@ def test_a_model_that_cannot_be_exported_names_the_construct_and_the_line(tmp_pa
 
 
 def test_sharding_stage3_and_pipeline_hook(tmp_path, monkeypatch):
-    """Sharding stage 3 keeps parameters whole today: exported, with a note. A pipeline with one process per stage
+    """Sharding stage 3 in one process shards nothing: exported whole, with a note; released parameters are
+    refused. A pipeline with one process per stage
     holds part of the weights on each rank, so export refuses until gathering is built."""
     strategy = fleetc.DistributedStrategy()
     strategy.sharding = True
     strategy.sharding_configs = {"stage": 3}
     trainer, (x,), _ = trained(ZOO["mlp"], strategy, steps=1)
-    with pytest.warns(UserWarning, match="sharding stage 3 keeps every parameter whole"):
+    with pytest.warns(UserWarning, match="sharding stage 3: the weights were whole"):
         result = inference.save_inference_model(trainer, str(tmp_path / "m"), "x", "output")
-    assert any(note.startswith("sharding stage 3 keeps") for note in result.meta["notes"])
+    assert any(note.startswith("sharding stage 3: the weights were whole") for note in result.meta["notes"])
+    released = trainer.model.fc1.weight.data
+    trainer.model.fc1.weight.data = torch.empty(0)  # as a rank of a stage-3 run holds a parameter another owns
+    with pytest.raises(fleetc.ExportError, match="call fleet.save_inference_model on every rank"):
+        inference.save_inference_model(trainer, str(tmp_path / "m1"), "x", "output")
+    trainer.model.fc1.weight.data = released
     strategy = fleetc.DistributedStrategy()
     strategy.pipeline = True
     strategy.pipeline_configs = {"micro_batch_size": 8, "accumulate_steps": 2}  # the zoo mlp's batch of 16

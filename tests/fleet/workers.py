@@ -61,7 +61,8 @@ def train_with_trainer(rank: int, world: int, config: dict) -> tuple:
     losses = [trainer.step(*shard(batch, rank, world)) for batch in global_batches(config["zoo"], config["steps"])]
     program = trainer.program
     starts = [block.idx for block, op in program.walk_ops() if op.type == "fleetc.c_allreduce_start"]
-    return trainer, {"initial": initial, "losses": losses, "state": model.state_dict(),
+    # full_state_dict: whole parameters even where sharding stage 3 left this rank only its own
+    return trainer, {"initial": initial, "losses": losses, "state": trainer.full_state_dict(),
                      "collectives": len(starts), "start_blocks": sorted(set(starts)), "report": trainer.report().stats,
                      "execution": trainer.report().execution,
                      "update_block": program.metadata.get("gradient_merge", {}).get("update_block"),

@@ -2,7 +2,8 @@
 
 Ownership depends only on sizes, names and the gradient buckets (plan.py), which are the same on every rank,
 so the plan of a world size this machine cannot run (64 ranks, say) is computed here, before anything is
-launched: which parameters each rank owns, and its parameter, gradient and optimizer-state bytes.
+launched: which parameters each rank owns, and its parameter, gradient and optimizer-state bytes (stage 3:
+only its own parameters; what it gathers in flight comes on top).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from fleetc.ir.program import Program, VarKind
 from fleetc.passes.data_parallel.common import WAIT, var_numel
 from fleetc.passes.data_parallel.merged import merged_values
 from fleetc.passes.sharding.optimizer_sharding import update_ops
+from fleetc.passes.sharding.param_sharding import parameter_owners
 from fleetc.passes.sharding.plan import ShardedBucket, assign_owners
 
 
@@ -34,13 +36,13 @@ def rank_plans(program: Program, degree: int, stage: int) -> list[RankPlan]:
     sizes = {p: var_numel(program.var(p)) for p in params}
     buckets = [] if merged_values(program) or stage < 2 else [
         [g.removesuffix("@GRAD") for g in op.outputs] for op in program.global_block.ops if op.type == WAIT]
-    owners = assign_owners(sizes, degree, buckets or None)
+    owners = parameter_owners(program, degree) if stage == 3 else assign_owners(sizes, degree, buckets or None)
     state: dict[str, int] = {}
     for name, (param, _) in program.metadata.get("state_bindings", {}).items():
         var = program.find_var(name)
         if var is not None and var.kind is VarKind.OPTIMIZER_STATE:
             state[param] = state.get(param, 0) + var.nbytes()
-    param_bytes = sum(v.nbytes() for v in program.persistables() if v.kind is VarKind.PARAM)
+    param_vars = [v for v in program.persistables() if v.kind is VarKind.PARAM]
     grad_vars = {p: program.find_var(f"{p}@GRAD") or program.var(p) for p in params}  # AMP: maybe low precision
     grad_bytes = sum(v.nbytes() for v in grad_vars.values())
     plans = []
@@ -51,5 +53,6 @@ def rank_plans(program: Program, degree: int, stage: int) -> list[RankPlan]:
                         for b in buckets)
         else:
             grads = grad_bytes
-        plans.append(RankPlan(rank, len(mine), param_bytes, grads, sum(state.get(p, 0) for p in mine)))
+        held = sum(v.nbytes() for v in param_vars if stage < 3 or owners[v.name] == rank)  # stage 3: its own only
+        plans.append(RankPlan(rank, len(mine), held, grads, sum(state.get(p, 0) for p in mine)))
     return plans

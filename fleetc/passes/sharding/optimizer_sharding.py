@@ -8,6 +8,8 @@ Stage 2: also each gradient bucket's allreduce becomes a reduce-scatter into an 
 buffer that lives only inside the collective; a rank keeps its shard, and its own gradients are views of
 it (`fleetc.shard_views`); gradients it does not own are never materialised in full after their bucket.
 Under AMP each rank unscales and checks only the gradients it keeps, and `found_inf` is max-allreduced.
+Stage 3: also the parameters, gathered where they are used (passes/sharding/param_sharding.py); no gather
+after the update.
 
 The trainer stamps `metadata["sharding"]` (degree, this rank's index in its sharding group, the group
 partitions; the pass adds the parameters it owns); runs only there. Ownership: passes/sharding/plan.py.
@@ -30,6 +32,8 @@ from fleetc.passes.data_parallel.common import (
     var_numel,
 )
 from fleetc.passes.data_parallel.merged import merged_values
+from fleetc.passes.sharding.clip_sharding import clip_kept_gradients
+from fleetc.passes.sharding.param_sharding import parameter_owners, shard_parameters
 from fleetc.passes.sharding.plan import ShardedBucket, assign_owners
 
 GATHER = "fleetc.c_sharding_allgather"
@@ -64,7 +68,8 @@ def _belongs_to(program: Program, op: Op, params: set[str]) -> bool:
 class Sharding:
     name = "sharding"
     enabled_by = "sharding"
-    summary = "ZeRO sharding: each rank updates the parameters it owns; stage 2 also reduce-scatters gradients"
+    summary = ("ZeRO sharding: each rank updates the parameters it owns; stage 2 also reduce-scatters gradients; "
+               "stage 3 also gathers parameters where they are used")
     reads = ("sharding_configs.stage", "sharding_configs.sharding_degree", "sharding_configs.segment_broadcast_MB",
              "hybrid_configs.sharding_degree")
 
@@ -78,24 +83,34 @@ class Sharding:
             report.skipped_reason = "the sharding degree is 1: every rank keeps the whole state"
             return program, report
         updates = update_ops(program)
+        degree, rank = meta["degree"], meta["rank"]
+        stage = config.sharding_configs.stage
+        if stage == 3:  # every parameter has an owner, updated or not (a forward-only Program shards them too)
+            owners = parameter_owners(program, degree)
+            meta["param_owners"] = owners
+            program.metadata.setdefault("collective_groups", {}).update(meta["groups"])
         if not updates:
+            if stage == 3:
+                shard_parameters(program, owners, degree, rank, config, report)
+                report.changed = True
+                return program, report
             report.skipped_reason = "the Program has no optimizer updates to shard"
             return program, report
-        degree, rank = meta["degree"], meta["rank"]
         params = list(dict.fromkeys(op.attrs["param"] for ops in updates.values() for op in ops))
         sizes = {p: var_numel(program.var(p)) for p in params}
-        stage = config.sharding_configs.stage
-        owners = assign_owners(sizes, degree, self._gradient_buckets(program) if stage >= 2 else None)
+        if stage < 3:
+            owners = assign_owners(sizes, degree, self._gradient_buckets(program) if stage >= 2 else None)
         foreign = {p for p in params if owners[p] != rank}
         report.notes.append(f"stage {stage}, {degree} ranks: this rank (index {rank} in its sharding group) owns "
                             f"{len(params) - len(foreign)} of {len(params)} parameters "
                             f"({sum(sizes[p] for p in params if p not in foreign)} of {sum(sizes.values())} elements)")
         for block_idx in updates:
-            self._shard_updates(program, program.blocks[block_idx], foreign, owners, sizes, degree, config, report)
+            self._shard_updates(program, program.blocks[block_idx], foreign, owners, sizes, degree, config, report,
+                                gather=stage < 3)
         if stage >= 2:
             self._reduce_scatter(program, owners, sizes, degree, rank, meta, report)
         if stage == 3:
-            report.notes.append("stage 3 is not built yet: parameters stay whole on every rank (ran stage 2)")
+            shard_parameters(program, owners, degree, rank, config, report)
         program.metadata.setdefault("collective_groups", {}).update(meta["groups"])
         meta["owned"] = [p for p in params if p not in foreign]
         report.stats["owned_params"] = len(meta["owned"])
@@ -110,8 +125,9 @@ class Sharding:
         return [[g.removesuffix("@GRAD") for g in op.outputs] for op in program.global_block.ops if op.type == WAIT]
 
     def _shard_updates(self, program: Program, block: Block, foreign: set[str], owners: dict[str, int],
-                       sizes: dict[str, int], degree: int, config: Any, report: PassReport) -> None:
-        """Drop the updates of parameters other ranks own; all-gather every parameter after the block's last update."""
+                       sizes: dict[str, int], degree: int, config: Any, report: PassReport, gather: bool) -> None:
+        """Drop the updates of parameters other ranks own; all-gather every parameter after the block's last update
+        (`gather`: stages 1 and 2; under stage 3 parameters stay sharded)."""
         everyone = set(owners)
         last = max(i for i, op in enumerate(block.ops) if _belongs_to(program, op, everyone))
         updated = list(dict.fromkeys(op.attrs["param"] for op in block.ops if op.attrs.get("param") in everyone
@@ -122,7 +138,7 @@ class Sharding:
                 report.count("updates_dropped")
             else:
                 ops.append(op)
-            if index == last:
+            if index == last and gather:
                 ops.extend(self._gathers(program, updated, owners, sizes, degree, config, report))
         block.ops = ops
         used = {name for _, op in program.walk_ops() for name in block_reads(program, op)} | {
@@ -189,6 +205,7 @@ class Sharding:
         foreign = {f"{p}@GRAD" for p, owner in owners.items() if owner != rank}
         self._check_finite_over_ranks(program, block, foreign, DP_GROUP if meta.get("dp_degree", 1) > 1 else "",
                                       report)
+        clip_kept_gradients(program, GROUP, report)
         eliminate_dead_ops(program, block, set(program.fetches.values()))  # e.g. a transpose of a gradient nobody reads
         kept = {name for op in block.ops for name in op.defined}
         for grad in [g for g in block.vars if g.endswith("@GRAD") and g not in kept
@@ -196,8 +213,7 @@ class Sharding:
             readers = [op.name for _, op in program.walk_ops() if grad in block_reads(program, op)]
             if readers:
                 raise StrategyError(f"sharding_configs.stage 2: op {readers[0]!r} reads gradient {grad!r}, which this "
-                                    "rank does not keep (another rank owns it); use stage 1 with this Program "
-                                    "(global-norm gradient clipping, say, needs every gradient)")
+                                    "rank does not keep (another rank owns it); use stage 1 with this Program")
             del block.vars[grad]
 
     def _check_finite_over_ranks(self, program: Program, block: Block, foreign: set[str], dp_group: str,

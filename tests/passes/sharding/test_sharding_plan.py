@@ -30,10 +30,11 @@ def test_bucket_balance_comes_first_under_stage_2():
     assert by_bucket == {"a": 0, "c": 1, "b": 1, "d": 0}  # each bucket split across both ranks, loads even
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_every_rank_of_a_group_runs_the_pass_and_the_estimate_agrees(stage):
     """Each of 4 ranks' Programs updates exactly the parameters the estimate gives it, holds that optimizer
-    state, and (stage 2) keeps that many gradient bytes; every parameter has one owner."""
+    state and those parameters (stage 3: its own), and (stages 2, 3) keeps that many gradient bytes; every
+    parameter has one owner."""
     program = captured_program("gpt")
     unsharded, _ = run_data_parallel_passes(program, 4)
     plans = rank_plans(unsharded, 4, stage)
@@ -47,7 +48,9 @@ def test_every_rank_of_a_group_runs_the_pass_and_the_estimate_agrees(stage):
         assert len(final.metadata["sharding"]["owned"]) == plans[rank].owned_params
         state = sum(v.nbytes() for v in final.persistables() if v.kind is VarKind.OPTIMIZER_STATE)
         assert state == plans[rank].optimizer_state_bytes
-        if stage == 2:
+        params = sum(v.nbytes() for v in final.persistables() if v.kind is VarKind.PARAM)
+        assert params == plans[rank].parameter_bytes  # stage 3: only the parameters the rank owns
+        if stage >= 2:
             shards = [final.var(op.outputs[0]).nbytes() for _, op in final.walk_ops() if op.type == RS_WAIT]
             assert sum(shards) == plans[rank].gradient_bytes
         assert "sharding" in [r.name for r in history]
