@@ -37,7 +37,6 @@ from fleetc.passes.order import (
 from fleetc.passes.progress import CompileProgress, ProgressInstrument, progress_stage
 from fleetc.passes.recompute import RecomputePolicy
 from fleetc.report import CompileReport
-from fleetc.runtime.compile_cache import CompileCache
 from fleetc.runtime.checkpoint import (
     STATE_KEY,
     TrainerState,
@@ -47,6 +46,7 @@ from fleetc.runtime.checkpoint import (
     rng_state,
     save_checkpoint,
 )
+from fleetc.runtime.compile_cache import CompileCache
 from fleetc.runtime.execution import ExecutionPlan
 from fleetc.runtime.dynamic_policy import DynamicPolicy
 from fleetc.runtime.executor import Executable

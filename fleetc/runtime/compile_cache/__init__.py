@@ -17,8 +17,9 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -46,7 +47,7 @@ ENV_MODE = "FLEETC_COMPILE_CACHE"
 CACHE_RECORD = "compile_cache"  # the history record that stands for the passes a hit skipped
 _REPORT_FIELDS = ("applied", "skipped", "stats", "notes", "memory", "ops_after")
 
-__all__ = ["CompileCache", "CompileCacheWarning", "MODES", "resolve_cache_mode"]
+__all__ = ["MODES", "CompileCache", "CompileCacheWarning", "resolve_cache_mode"]
 
 
 def resolve_cache_mode(mode: str | None) -> str:

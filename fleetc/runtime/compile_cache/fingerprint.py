@@ -15,7 +15,8 @@ import inspect
 import pathlib
 import sys
 import types
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn

@@ -88,7 +88,6 @@ class EntryStore:
 
 def _ignored(path: pathlib.Path, why: str) -> None:
     warnings.warn(f"fleetc compile cache: ignoring {path}: {why}", CompileCacheWarning, stacklevel=4)
-    return None
 
 
 def _take_lock(lock: pathlib.Path) -> bool:
