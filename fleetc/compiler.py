@@ -24,6 +24,7 @@ from fleetc.codegen.cpu.backend import resolve_mode
 from fleetc.errors import CaptureError, GuardError, PassError, StrategyError
 from fleetc.ir.liveness import estimate_memory
 from fleetc.ir.program import Program
+from fleetc.ir.repeated_blocks import find_repeated_blocks
 from fleetc.ir.verifier import verify
 from fleetc.passes.base import PassReport
 from fleetc.passes.instruments import PassInstrument, PrintInstrument, VerifyInstrument
@@ -227,6 +228,7 @@ class CompiledTrainer:
         report.execution = self.execution.lines()
         report.compile_seconds = time.perf_counter() - start
         report.cache = list(self.compile_cache.lines)
+        report.repeated_blocks = [group.line() for group in find_repeated_blocks(program)]
         report.kernels = executable.kernel_usage
         leaves = tree_flatten((args, kwargs))[0]
         accumulates = self.optimizer is None and kind == "train"  # into p.grad, across steps
