@@ -178,7 +178,7 @@ class CompiledTrainer:
                 report.skipped[record.name] = record.report.skipped_reason
         report.skipped.update(strategy_requests_without_pass(self.config))
         report.memory = history[-1].memory.as_dict()
-        self.compile_cache.store_passes(key, final, report)
+        self.compile_cache.store_passes(key, history, report)
         return final, history, report
 
     def _capture(self, kind: str, args: tuple, kwargs: dict, dynamic: DynamicDims) -> tuple[Program, Any]:

@@ -83,6 +83,9 @@ def test_hits_train_like_eager_and_print_the_same(cache_dir, zoo):
         warm.assert_same()
         assert format_program(warm.trainer.program) == format_program(cold.trainer.program)
         assert [r.name for r in warm.trainer.history] == ["capture", "compile_cache"]
+        assert warm.trainer.history[0].memory == cold.trainer.history[0].memory
+        assert warm.trainer.history[-1].memory == cold.trainer.history[-1].memory
+        assert warm.trainer.report().memory == cold.trainer.report().memory
         assert "compile cache: capture: hit" in str(warm.trainer.report())
 
 

@@ -14,6 +14,7 @@ Entries are JSON read by restricted decoders (store.py); each compile's outcome 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import warnings
@@ -27,7 +28,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, treespec_dumps, treespec
 
 from fleetc.capture.dynamic import DynamicDims
 from fleetc.capture.hooks import hook_dicts
-from fleetc.ir.liveness import estimate_memory
+from fleetc.ir.liveness import MemoryEstimate
 from fleetc.ir.program import Program
 from fleetc.ir.serialize import from_dict, to_dict
 from fleetc.passes.base import PassReport
@@ -89,12 +90,23 @@ def _reads_failure(model: nn.Module, program: Program) -> str | None:
     return None
 
 
+def _memory_data(estimate: MemoryEstimate) -> dict[str, Any]:
+    return dataclasses.asdict(estimate)
+
+
+def _memory(data: dict[str, Any]) -> MemoryEstimate:
+    return MemoryEstimate(**{**data, "live_after_op": [tuple(pair) for pair in data["live_after_op"]]})
+
+
 @dataclass
 class CachedPasses:
-    """A pass pipeline's result read from the cache: the final Program and what the report said about it."""
+    """A pass pipeline's result read from the cache: the final Program, what the report said about it, and the
+    memory estimates of the captured and the final Program (each a sweep over the Program, so stored too)."""
 
     program: Program
     report: dict[str, Any]
+    captured_memory: MemoryEstimate
+    final_memory: MemoryEstimate
 
     def result(self, captured: Program, capture_seconds: float, decisions: list[str],
                line: str) -> tuple[Program, History, CompileReport]:
@@ -102,9 +114,9 @@ class CachedPasses:
         the passes the hit skipped."""
         history = History([PassRecord("capture", captured, PassReport("capture", changed=True,
                                                                       stats={"ops": captured.num_ops()}),
-                                      capture_seconds, estimate_memory(captured))])
+                                      capture_seconds, self.captured_memory)])
         loaded = PassReport(CACHE_RECORD, changed=True, stats={"ops": self.program.num_ops()}, notes=[line])
-        history.append(PassRecord(CACHE_RECORD, self.program, loaded, 0.0, estimate_memory(self.program)))
+        history.append(PassRecord(CACHE_RECORD, self.program, loaded, 0.0, self.final_memory))
         report = CompileReport(decisions=list(decisions), ops_before=captured.num_ops(),
                                **{name: self.report[name] for name in _REPORT_FIELDS})
         return self.program, history, report
@@ -143,7 +155,8 @@ class CompileCache:
         cached = None
         if payload is not None:
             try:
-                cached = CachedPasses(from_dict(payload["program"]), payload["report"])
+                cached = CachedPasses(from_dict(payload["program"]), payload["report"],
+                                      _memory(payload["memory"]["captured"]), _memory(payload["memory"]["final"]))
                 if set(_REPORT_FIELDS) - set(cached.report):
                     raise KeyError(f"report fields {sorted(set(_REPORT_FIELDS) - set(cached.report))}")
             except (KeyError, TypeError, ValueError) as exc:
@@ -152,11 +165,15 @@ class CompileCache:
         self.lines.append(f"passes: {'hit, passes skipped' if cached else 'miss'} (key {_short(key)})")
         return cached
 
-    def store_passes(self, key: str | None, final: Program, report: CompileReport) -> None:
+    def store_passes(self, key: str | None, history: History, report: CompileReport) -> None:
+        """Store the final Program of `history` with `report`'s pass fields and both memory estimates."""
         if key is None:
             return
         try:
-            payload = {"program": to_dict(final), "report": {name: getattr(report, name) for name in _REPORT_FIELDS}}
+            payload = {"program": to_dict(history[-1].program),
+                       "report": {name: getattr(report, name) for name in _REPORT_FIELDS},
+                       "memory": {"captured": _memory_data(history[0].memory),
+                                  "final": _memory_data(history[-1].memory)}}
             written = self.store.store("passes", key, json.loads(json.dumps(payload, allow_nan=False)))
         except (TypeError, ValueError) as exc:
             self.lines[-1] += f", not stored ({exc})"
