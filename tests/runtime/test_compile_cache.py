@@ -89,6 +89,30 @@ def test_hits_train_like_eager_and_print_the_same(cache_dir, zoo):
         assert "compile cache: capture: hit" in str(warm.trainer.report())
 
 
+class TwoHeads(nn.Module):
+    """Returns a dict holding a tuple: the eval entry must restore that structure."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> dict:
+        y = self.fc(x)
+        return {"y": y, "parts": (y.relu(), y.sum())}
+
+
+def test_an_eval_step_hits_with_its_output_structure(cache_dir):
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = TwoHeads()
+        trainer = fleetc.compile(model, compile_cache="capture")
+        out = trainer(torch.ones(2, 8))
+        with torch.no_grad():
+            torch.testing.assert_close(out, model(torch.ones(2, 8)))
+    assert [line.split(" (")[0] for line in trainer._last_eval.report.cache] == ["capture: hit, capture skipped",
+                                                                                "passes: hit, passes skipped"]
+
+
 def test_passes_mode_captures_again_and_skips_the_passes(cache_dir):
     strategy = fleetc.DistributedStrategy()
     strategy.build_strategy.fuse_elewise_add_act_ops = True
