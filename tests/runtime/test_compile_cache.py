@@ -21,6 +21,7 @@ from fleetc.runtime.compile_cache.store import STALE_LOCK_SECONDS, EntryStore
 
 ROOT = Path(__file__).resolve().parents[2]
 SCALE = 1.0
+SETTINGS = {"gain": 1.0}
 
 
 def _tanh(x: torch.Tensor) -> torch.Tensor:
@@ -35,7 +36,7 @@ _activation = _tanh
 
 
 class Net(nn.Module):
-    """Reads a module attribute, a global constant and a global helper: each is part of what the cache keys on."""
+    """Reads a module attribute, global constants and a global helper: each is part of what the cache keys on."""
 
     def __init__(self):
         super().__init__()
@@ -43,11 +44,11 @@ class Net(nn.Module):
         self.shift = 0.5
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _activation(self.fc(x) * SCALE + self.shift).pow(2).mean()
+        return _activation(self.fc(x) * SCALE * SETTINGS["gain"] + self.shift).pow(2).mean()
 
 
 def _other_forward(self, x: torch.Tensor) -> torch.Tensor:
-    return _activation(self.fc(x) * SCALE - self.shift).pow(2).mean()
+    return _activation(self.fc(x) * SCALE * SETTINGS["gain"] - self.shift).pow(2).mean()
 
 
 @pytest.fixture
@@ -127,6 +128,7 @@ CHANGES = {
     "helper function": lambda mp: mp.setattr(sys.modules[__name__], "_activation", _sigmoid),
     "forward code": lambda mp: mp.setattr(Net, "forward", _other_forward),
     "global constant": lambda mp: mp.setattr(sys.modules[__name__], "SCALE", 2.0),
+    "global dict": lambda mp: mp.setitem(SETTINGS, "gain", 3.0),
     "torch version": lambda mp: mp.setattr(torch, "__version__", torch.__version__ + "+other"),
     "fleetc source": lambda mp: mp.setattr(fingerprint, "fleetc_fingerprint", lambda: "edited"),
 }
@@ -154,6 +156,20 @@ def test_model_config_dtype_inputs_optimizer_and_strategy_miss(cache_dir):
     strategy.gradient_merge_configs = {"k_steps": 2}
     assert _outcome(_compile(strategy=strategy))["passes"] == "miss"
     assert _outcome(_compile(disable_passes=["dead_code_elimination"]))["passes"] == "miss"
+
+
+def test_the_loss_modules_settings_are_in_the_key(cache_dir):
+    def compiled(loss_fn: nn.Module) -> fleetc.CompiledTrainer:
+        torch.manual_seed(0)
+        model = nn.Linear(8, 3)
+        trainer = fleetc.compile(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=loss_fn,
+                                 compile_cache="capture")
+        trainer.step(torch.ones(2, 8), torch.tensor([0, 2]))
+        return trainer
+
+    compiled(nn.CrossEntropyLoss())
+    assert _outcome(compiled(nn.CrossEntropyLoss()))["capture"] == "hit"
+    assert _outcome(compiled(nn.CrossEntropyLoss(label_smoothing=0.1))) == {"capture": "miss", "passes": "miss"}
 
 
 def test_a_guard_the_key_does_not_cover_is_checked(cache_dir):

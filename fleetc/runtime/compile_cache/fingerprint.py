@@ -3,9 +3,10 @@
 A fingerprint is a sha256 hex digest of a canonical text. fleetc's fingerprint hashes its source files, so an
 edited checkout of the same version never reuses another checkout's entries. The code fingerprint follows the
 bytecode a step runs: the methods of each module class (and its non-torch base classes), the loss function, hooks
-and recompute policy, and, through each function's global names, the functions, classes and plain constants they
-reach. torch's own code is covered by the torch version in the key, so the walk stops at torch and the standard
-library. Config is every module's plain attributes (numbers, strings, flags, and one level into config objects).
+and recompute policy, and, through each function's global names and closure cells, the functions, classes, plain
+values and tensors (by content) they reach; other objects count by class and plain attributes. torch's own code is
+covered by the torch version in the key, so the walk stops at torch and the standard library. Config is every
+module's plain attributes (numbers, strings, flags, and one level into config objects).
 """
 from __future__ import annotations
 
@@ -80,15 +81,34 @@ class _CodeWalk:
             self.lines.append(f"partial {obj.args!r} {sorted(obj.keywords)!r}")
             self.visit(obj.func)
         elif isinstance(obj, types.MethodType):
+            self.value("bound to", obj.__self__)
             self.visit(obj.__func__)
         elif isinstance(obj, type):
             self._class(obj)
         elif isinstance(obj, types.FunctionType):
             self._function(obj)
         elif callable(obj) and not isinstance(obj, types.BuiltinFunctionType):
-            self._class(type(obj))  # a callable instance (an nn.Module loss, a policy object)
+            self.value("instance", obj)  # a callable instance (an nn.Module loss, a policy object)
         else:
             self.lines.append(f"object {type(obj).__module__}.{type(obj).__qualname__}")
+
+    def value(self, name: str, value: Any) -> None:
+        """A value code reads (a global, a closure cell, a bound method's object): plain values and tensors by
+        content, functions and classes walked, other objects by class and plain attributes (one level)."""
+        if _is_plain(value) or (isinstance(value, dict) and _is_plain(list(value.items()))):
+            self.lines.append(f"{name}={value!r}")
+        elif isinstance(value, torch.Tensor):
+            self.lines.append(f"{name}: {_tensor_digest(value)}")
+        elif isinstance(value, (type, types.FunctionType, types.MethodType, functools.partial)):
+            self.visit(value)
+        elif isinstance(value, types.ModuleType):
+            self.lines.append(f"{name}: module {value.__name__}")
+        else:
+            self.lines.append(f"{name}: {type(value).__module__}.{type(value).__qualname__}")
+            if hasattr(value, "__dict__"):
+                self.lines.append(repr(_plain_attributes(value)))
+            if callable(value) and not isinstance(value, types.BuiltinFunctionType):
+                self._class(type(value))
 
     def _class(self, cls: type) -> None:
         self.lines.append(f"class {cls.__module__}.{cls.__qualname__}")
@@ -117,10 +137,7 @@ class _CodeWalk:
                 value = cell.cell_contents
             except ValueError:  # an empty cell
                 continue
-            if _is_plain(value):
-                self.lines.append(f"closure {value!r}")
-            elif callable(value):
-                self.visit(value)
+            self.value("closure", value)
 
     def _code(self, code: types.CodeType, namespace: dict[str, Any]) -> None:
         self.lines.append(code.co_code.hex())
@@ -137,15 +154,9 @@ class _CodeWalk:
                 if _not_walked(value.__name__):
                     continue
                 for attribute in sorted(names & set(vars(value))):  # `helpers.scale(...)`: the names it reaches
-                    self._global(f"{name}.{attribute}", vars(value)[attribute])
+                    self.value(f"global {name}.{attribute}", vars(value)[attribute])
             elif name in namespace:
-                self._global(name, value)
-
-    def _global(self, name: str, value: Any) -> None:
-        if _is_plain(value):
-            self.lines.append(f"global {name}={value!r}")
-        elif isinstance(value, (type, types.FunctionType, functools.partial)):
-            self.visit(value)
+                self.value(f"global {name}", value)
 
 
 def code_fingerprint(roots: Iterable[Any]) -> str:
@@ -156,13 +167,23 @@ def code_fingerprint(roots: Iterable[Any]) -> str:
     return digest(*walk.lines)
 
 
+def _tensor_digest(tensor: torch.Tensor) -> str:
+    """dtype, shape and a hash of the values: a tensor the step reads as a constant (lifted into the Program)."""
+    try:
+        data = tensor.detach().cpu().contiguous()
+        values = hashlib.sha256(data.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+    except (RuntimeError, TypeError):  # no readable values (a meta or fake tensor): never equal to another
+        values = f"unreadable {id(tensor)}"
+    return f"tensor {tensor.dtype} {tuple(tensor.shape)} {values}"
+
+
 def _plain_attributes(obj: Any) -> list[tuple[str, str]]:
     return sorted((k, repr(v)) for k, v in vars(obj).items() if _is_plain(v))
 
 
 def config_fingerprint(model: nn.Module) -> str:
     """Hash of every module's plain attributes (sizes, flags, eps, `training`) and of the plain attributes of the
-    config objects they hold (`self.config.hidden_size`), by module path."""
+    config objects it holds (`self.config.hidden_size`), by module path."""
     lines = []
     for path, module in model.named_modules():
         lines.append(f"{path}: {type(module).__qualname__} {_plain_attributes(module)}")
