@@ -7,7 +7,10 @@ a fresh process is split into:
 - passes: the pass manager's run (the sum of the passes' own seconds);
 - codegen: building the Executable (code generation and kernel loading);
 and `warm` is a second compile of a fresh copy of the model in the same process (torch's and the code
-generator's in-memory caches warm; fleetc has no on-disk cache yet). Growth exponents are least-squares fits
+generator's in-memory caches warm). The on-disk compile cache (docs/compile_cache.md) is timed in three more fresh
+processes sharing one cache directory: the first fills it (`compile_cache="capture"`), then `cache_passes` is a
+compile that captures again and loads the passes' result (`"passes"`), and `cache_capture` one that skips capture
+too (`"capture"`). Growth exponents are least-squares fits
 of log(time) on log(depth) over depths >= 8 (smaller ones are dominated by fixed costs).
 torch.compile's cold first step (forward compiled, eager backward and optimizer) is timed only at the depths
 given by --torch-compile, each in a fresh process with a fresh Inductor cache directory.
@@ -45,19 +48,19 @@ def _timed(module, attr: str, bucket: dict, key: str) -> None:
     setattr(module, attr, wrapper)
 
 
-def _one_compile(depth: int, strategy_name: str) -> dict:
+def _one_compile(depth: int, strategy_name: str, compile_cache: str = "off") -> dict:
     from helpers.scaling import STRATEGIES, encoder_and_batch
 
     import fleetc
 
     model, optimizer, batch = encoder_and_batch(depth)
-    trainer = fleetc.compile(model, STRATEGIES[strategy_name](), optimizer=optimizer)
+    trainer = fleetc.compile(model, STRATEGIES[strategy_name](), optimizer=optimizer, compile_cache=compile_cache)
     start = time.perf_counter()
     trainer.step(*batch)
     first = time.perf_counter() - start
     passes = sum(record.seconds for record in trainer.history[1:])
     return {"first_step": first, "compile": trainer.report().compile_seconds, "passes": passes,
-            "ops": trainer.report().ops_before}
+            "ops": trainer.report().ops_before, "cache": trainer.report().cache}
 
 
 def measure_fleetc(depth: int, strategy_name: str) -> dict:
@@ -93,8 +96,27 @@ def measure_torch_compile(depth: int) -> dict:
     return {"depth": depth, "torch_compile_first_step": time.perf_counter() - start}
 
 
-def _child(kind: str, depth: int, strategy: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}")
+def measure_cached(depth: int, strategy_name: str, mode: str) -> dict:
+    """One compile in a fresh process with the on-disk compile cache in `mode` ($FLEETC_CACHE_DIR is shared)."""
+    result = _one_compile(depth, strategy_name, mode)
+    return {"compile": result["compile"], "cache": result["cache"]}
+
+
+def warm_cache(depth: int, strategy: str) -> dict:
+    """Compile seconds of a process that loads the passes' result, and of one that skips capture too."""
+    with tempfile.TemporaryDirectory() as fleetc_cache:
+        extra = {"FLEETC_CACHE_DIR": fleetc_cache}
+        _child("cached-capture", depth, strategy, extra)  # fills the cache
+        runs = {mode: _child(f"cached-{mode}", depth, strategy, extra) for mode in ("passes", "capture")}
+    expected = {"passes": ["passes: hit"], "capture": ["capture: hit", "passes: hit"]}
+    for mode, run in runs.items():
+        if [line.split(",")[0].split(" (")[0] for line in run["cache"]] != expected[mode]:
+            raise RuntimeError(f"the warm {mode} run did not hit the cache: {run['cache']}")
+    return {"cache_passes": runs["passes"]["compile"], "cache_capture": runs["capture"]["compile"]}
+
+
+def _child(kind: str, depth: int, strategy: str, extra_env: dict[str, str] | None = None) -> dict:
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}", **(extra_env or {}))
     with tempfile.TemporaryDirectory() as cache:
         env["TORCHINDUCTOR_CACHE_DIR"] = cache
         out = subprocess.run([sys.executable, __file__, "--child", kind, str(depth), strategy], env=env,
@@ -109,7 +131,8 @@ def exponent(depths: list[int], seconds: list[float]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
 
 
-PARTS = ("torch_tracing", "capture", "passes", "codegen", "cold_compile", "warm_compile")
+PARTS = ("torch_tracing", "capture", "passes", "codegen", "cold_compile", "warm_compile", "cache_passes",
+         "cache_capture")
 
 
 def main() -> None:
@@ -121,7 +144,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         kind, depth, strategy = args.child
-        result = measure_fleetc(int(depth), strategy) if kind == "fleetc" else measure_torch_compile(int(depth))
+        if kind.startswith("cached-"):
+            result = measure_cached(int(depth), strategy, kind.removeprefix("cached-"))
+        else:
+            result = measure_fleetc(int(depth), strategy) if kind == "fleetc" else measure_torch_compile(int(depth))
         print(json.dumps(result))
         return
     depths = [int(d) for d in args.depths.split(",")]
@@ -130,7 +156,7 @@ def main() -> None:
         print(f"\n{strategy}: seconds (fresh process per depth)")
         print(f"{'depth':>5} {'ops':>6} " + " ".join(f"{p:>13}" for p in PARTS))
         for depth in depths:
-            row = _child("fleetc", depth, strategy)
+            row = _child("fleetc", depth, strategy) | warm_cache(depth, strategy)
             rows.append(row)
             print(f"{depth:>5} {row['ops']:>6} " + " ".join(f"{row[p]:>13.2f}" for p in PARTS), flush=True)
         fit = [r for r in rows if r["depth"] >= 8] or rows

@@ -24,6 +24,7 @@ from fleetc.codegen.cpu.backend import resolve_mode
 from fleetc.errors import CaptureError, GuardError, PassError, StrategyError
 from fleetc.ir.liveness import estimate_memory
 from fleetc.ir.program import Program
+from fleetc.ir.repeated_blocks import find_repeated_blocks
 from fleetc.ir.verifier import verify
 from fleetc.passes.base import PassReport
 from fleetc.passes.instruments import PassInstrument, PrintInstrument, VerifyInstrument
@@ -46,6 +47,7 @@ from fleetc.runtime.checkpoint import (
     rng_state,
     save_checkpoint,
 )
+from fleetc.runtime.compile_cache import CompileCache
 from fleetc.runtime.execution import ExecutionPlan
 from fleetc.runtime.dynamic_policy import DynamicPolicy
 from fleetc.runtime.executor import Executable
@@ -110,8 +112,9 @@ class CompiledTrainer:
                  recompute_policy: RecomputePolicy | None = None, grad_clip: GradClip | None = None,
                  cpu_kernels: str | None = None, on_guard_failure: str = "recompile",
                  cache_limit: int = DEFAULT_CACHE_LIMIT, dynamic: bool | None = None,
-                 dynamic_dims: dict[str, dict[int, str]] | None = None):
+                 dynamic_dims: dict[str, dict[int, str]] | None = None, compile_cache: str | None = None):
         self.model = model
+        self.compile_cache = CompileCache(compile_cache)
         self.dynamic = DynamicPolicy(dynamic, dynamic_dims)
         self.cpu_kernels = resolve_mode(cpu_kernels)
         self.recompute_policy = recompute_policy
@@ -152,6 +155,13 @@ class CompiledTrainer:
     def _optimize(self, program: Program, capture_seconds: float) -> tuple[Program, History, CompileReport]:
         if self.verify:
             verify(program, after_pass="capture")
+        key = self.compile_cache.passes_key(program, self.config, self.disable_passes, self.recompute_policy,
+                                            self.grad_clip)
+        cached = self.compile_cache.load_passes(key)
+        if cached is not None:
+            if self.verify:
+                verify(cached.program, after_pass="compile cache")
+            return cached.result(program, capture_seconds, self.decisions, self.compile_cache.lines[-1])
         capture_report = PassReport("capture", changed=True, stats={"ops": program.num_ops()})
         history = History([PassRecord("capture", program, capture_report, capture_seconds, estimate_memory(program))])
         passes = ordered_passes(self.config, recompute_policy=self.recompute_policy, grad_clip=self.grad_clip)
@@ -168,6 +178,7 @@ class CompiledTrainer:
                 report.skipped[record.name] = record.report.skipped_reason
         report.skipped.update(strategy_requests_without_pass(self.config))
         report.memory = history[-1].memory.as_dict()
+        self.compile_cache.store_passes(key, history, report)
         return final, history, report
 
     def _capture(self, kind: str, args: tuple, kwargs: dict, dynamic: DynamicDims) -> tuple[Program, Any]:
@@ -187,10 +198,23 @@ class CompiledTrainer:
         with _eval_mode(self.model):
             return capture_eval_program(self.model, args, kwargs, dynamic)
 
+    def _cached_capture(self, kind: str, args: tuple, kwargs: dict, dynamic: DynamicDims) -> tuple[Program, Any]:
+        """`_capture`'s result, from the compile cache when its mode is "capture" and an entry still fits."""
+        optimizer = self.optimizer if kind == "train" else None
+        key = self.compile_cache.capture_key(kind, self.model, self.loss_fn, optimizer, self.config, args, kwargs,
+                                             dynamic)
+        found = self.compile_cache.load_capture(key, kind, self.model, optimizer, args, kwargs)
+        if found is not None:
+            return found
+        program, out_spec = self._capture(kind, args, kwargs, dynamic)
+        self.compile_cache.store_capture(key, kind, self.model, optimizer, args, kwargs, program, out_spec)
+        return program, out_spec
+
     def _compile(self, kind: str, args: tuple, kwargs: dict, dynamic: DynamicDims) -> CompiledStep:
         start = time.perf_counter()
         progress_stage("capture")
-        program, out_spec = self._capture(kind, args, kwargs, dynamic)
+        self.compile_cache.begin()
+        program, out_spec = self._cached_capture(kind, args, kwargs, dynamic)
         final, history, report = self._optimize(program, time.perf_counter() - start)
         progress_stage("codegen")
         executable = Executable(final, measure_memory=self.measure_memory, cpu_kernels=self.cpu_kernels,
@@ -203,6 +227,8 @@ class CompiledTrainer:
         report.recompiles = self._cache.log
         report.execution = self.execution.lines()
         report.compile_seconds = time.perf_counter() - start
+        report.cache = list(self.compile_cache.lines)
+        report.repeated_blocks = [group.line() for group in find_repeated_blocks(program)]
         report.kernels = executable.kernel_usage
         leaves = tree_flatten((args, kwargs))[0]
         accumulates = self.optimizer is None and kind == "train"  # into p.grad, across steps
@@ -427,7 +453,7 @@ def compile(model: nn.Module, strategy: Any = None, *, optimizer: torch.optim.Op
             recompute_policy: RecomputePolicy | None = None, grad_clip: GradClip | None = None,
             cpu_kernels: str | None = None, on_guard_failure: str = "recompile",
             cache_limit: int = DEFAULT_CACHE_LIMIT, dynamic: bool | None = None,
-            dynamic_dims: dict[str, dict[int, str]] | None = None) -> CompiledTrainer:
+            dynamic_dims: dict[str, dict[int, str]] | None = None, compile_cache: str | None = None) -> CompiledTrainer:
     """Compile `model`'s training step under `strategy` (any fleetc strategy object, or None for defaults).
 
     Compilation is lazy: the first `step(*inputs)` captures and compiles for that input signature.
@@ -444,11 +470,13 @@ def compile(model: nn.Module, strategy: Any = None, *, optimizer: torch.optim.Op
     changed; True: batch and sequence dims symbolic from the start; False: never) and `dynamic_dims`
     (`{"input_ids": {0: "batch", 1: "seq"}}`) say which input dims a Program is traced symbolic in, so that one
     Program serves many sizes (docs/dynamic_shapes.md); `report().compiles` counts the Programs compiled.
+    `compile_cache` ("off", "passes", "capture"; default $FLEETC_COMPILE_CACHE, else "off") keeps pass results, and
+    with "capture" captures too, on disk across processes (docs/compile_cache.md); `report().cache` says hit or miss.
     """
     options = dict(loss_fn=loss_fn, measure_memory=measure_memory, verify=verify, disable_passes=disable_passes,
                    print_after=print_after, recompute_policy=recompute_policy, grad_clip=grad_clip,
                    cpu_kernels=cpu_kernels, on_guard_failure=on_guard_failure, cache_limit=cache_limit,
-                   dynamic=dynamic, dynamic_dims=dynamic_dims)
+                   dynamic=dynamic, dynamic_dims=dynamic_dims, compile_cache=compile_cache)
     # An optimizer from fleet.distributed_optimizer builds its own (data-parallel) trainer: fleet sits above the
     # compiler and supplies it, so the compiler never imports the Fleet API.
     compile_trainer = getattr(optimizer, "compile_trainer", None)

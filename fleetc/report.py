@@ -28,6 +28,8 @@ class CompileReport:
     recompiles: list[str] = field(default_factory=list)  # the trainer's recompiles so far, each with its reason
     execution: list[str] = field(default_factory=list)  # how the runtime runs the steps (execution_strategy)
     compiles: int = 0  # Programs the trainer compiled so far (train and eval; see `recompiles` for why)
+    cache: list[str] = field(default_factory=list)  # what this compile found in the on-disk compile cache
+    repeated_blocks: list[str] = field(default_factory=list)  # numbered sibling modules identical up to renaming
 
     def __str__(self) -> str:
         lines = [f"fleetc compile report: {self.ops_before} → {self.ops_after} ops in {self.compile_seconds:.2f} s"]
@@ -54,6 +56,8 @@ class CompileReport:
             lines += [f"  {g}" for g in self.guards]
         if self.compiles:
             lines.append(f"Programs compiled so far: {self.compiles}")
+        lines += [f"compile cache: {line}" for line in self.cache]
+        lines += [f"repeated blocks: {line}" for line in self.repeated_blocks]
         if self.recompiles:
             lines.append("recompiles:")
             lines += [f"  {r}" for r in self.recompiles]

@@ -3,8 +3,10 @@ counts, not times; fleetc.ir.visits) for a 32-layer nn.TransformerEncoder are at
 with the default strategy and with every fusion + recompute "auto" (issue 25).
 
 The recompute min-cut runs in networkx, which the visit counter does not see; its Python function calls are
-counted instead. The memory-budget search (`recompute_configs.memory_budget_mb`) is not covered: it builds about two
-candidate plans per repeated block, each over the whole forward region, so it grows superlinearly (docs/ir.md).
+counted instead. The memory-budget search (`recompute_configs.memory_budget_mb`) builds, costs and (at worst) tries
+about two candidate plans per repeated block, each a sweep over the whole forward region or Program: the test
+bounds the number of sweeps, which grows linearly, so the search is quadratic in depth (planning per distinct
+block would make it linear; not done).
 """
 from __future__ import annotations
 
@@ -14,8 +16,9 @@ import pytest
 from helpers.scaling import STRATEGIES, encoder_and_batch, stage_visits
 
 from fleetc.capture import capture_train_program
-from fleetc.passes.recompute import RecomputePolicy
-from fleetc.passes.recompute.auto import min_cut_plan
+from fleetc.errors import PassStrategyError
+from fleetc.passes.recompute import Recompute, RecomputePolicy, auto, checkpoints
+from fleetc.passes.recompute.auto import budget_plan, min_cut_plan
 from fleetc.passes.recompute.plan import forward_region
 
 LIMIT = 2.2
@@ -32,7 +35,7 @@ def visits() -> dict[int, dict[str, dict[str, int]]]:
 def test_every_stage_grows_linearly(visits, strategy):
     shallow, deep = visits[SHALLOW][strategy], visits[DEEP][strategy]
     assert shallow.keys() == deep.keys()
-    assert {"capture", "dead_code_elimination", "codegen"} <= shallow.keys()
+    assert {"capture", "dead_code_elimination", "codegen", "codegen_source"} <= shallow.keys()
     if strategy == "all_passes":
         assert {"recompute", "fuse_gemm_epilogue", "auto_fusion"} <= shallow.keys()
     ratios = {stage: deep[stage] / shallow[stage] for stage in shallow}
@@ -61,4 +64,34 @@ def _min_cut_calls(depth: int) -> int:
 @pytest.mark.slow
 def test_min_cut_grows_linearly():
     shallow, deep = _min_cut_calls(4), _min_cut_calls(8)
+    assert 1.5 < deep / shallow <= LIMIT, (shallow, deep)
+
+
+def _budget_search_sweeps(depth: int, monkeypatch) -> int:
+    """Region- or Program-sized sweeps of a memory-budget search that fits nothing (so it tries every candidate):
+    segment builds, re-run cost sums and peak estimates."""
+    model, optimizer, batch = encoder_and_batch(depth)
+    program = capture_train_program(model, None, optimizer, batch, {})
+    policy = RecomputePolicy()
+    sweeps = 0
+
+    def counted(fn):
+        def wrapper(*args, **kwargs):
+            nonlocal sweeps
+            sweeps += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    estimate = counted(lambda plan: Recompute(policy)._estimate_peak(program, plan))
+    with monkeypatch.context() as patch, pytest.raises(PassStrategyError, match="no recompute plan fits"):
+        patch.setattr(checkpoints, "_segments", counted(checkpoints._segments))
+        patch.setattr(auto, "recompute_cost", counted(auto.recompute_cost))
+        budget_plan(forward_region(program, policy), policy, 1e-6, estimate)
+    return sweeps
+
+
+@pytest.mark.slow
+def test_memory_budget_search_sweeps_grow_linearly(monkeypatch):
+    shallow, deep = _budget_search_sweeps(4, monkeypatch), _budget_search_sweeps(8, monkeypatch)
+    # before candidates skipped the unused-checkpoint analysis: 33 → 87 sweeps (x2.6, quadratic in blocks)
     assert 1.5 < deep / shallow <= LIMIT, (shallow, deep)

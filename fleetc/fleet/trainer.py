@@ -84,12 +84,12 @@ class DataParallelTrainer(CompiledTrainer):
                  recompute_policy: RecomputePolicy | None = None, grad_clip: GradClip | None = None,
                  cpu_kernels: str | None = None, on_guard_failure: str = "recompile",
                  cache_limit: int = DEFAULT_CACHE_LIMIT, dynamic: bool | None = None,
-                 dynamic_dims: dict[str, dict[int, str]] | None = None):
+                 dynamic_dims: dict[str, dict[int, str]] | None = None, compile_cache: str | None = None):
         super().__init__(model, strategy, optimizer=optimizer, loss_fn=loss_fn, measure_memory=measure_memory,
                          verify=verify, disable_passes=disable_passes, print_after=print_after,
                          recompute_policy=recompute_policy, grad_clip=grad_clip, cpu_kernels=cpu_kernels,
                          on_guard_failure=on_guard_failure, cache_limit=cache_limit, dynamic=dynamic,
-                         dynamic_dims=dynamic_dims)
+                         dynamic_dims=dynamic_dims, compile_cache=compile_cache)
         self.world_size = env.world_size()
         self._owned: set[str] | None = None  # under sharding: the parameters this rank updates
         self._gathered_at = -1  # under a pipeline across processes: the step whose stage state was last gathered

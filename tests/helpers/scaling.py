@@ -59,7 +59,8 @@ STRATEGIES = {"default": lambda: None, "all_passes": all_passes_strategy}
 def stage_visits(depth: int, strategy_names: tuple[str, ...] = tuple(STRATEGIES)) -> dict[str, dict[str, int]]:
     """{strategy: {stage: Op/Var attribute reads}} for compiles of one captured Program: `capture` (fleetc's part
     of it; the same Program serves every strategy, as capture does not depend on the strategy), every pass, and
-    `codegen` (building the Executable)."""
+    `codegen` (building the Executable); `codegen_source` is the generated step's length in characters, which
+    CPython's `compile` of it is linear in (visits do not see that compile)."""
     model, optimizer, batch = encoder_and_batch(depth)
     results = {}
     with count_visits() as counter:
@@ -72,6 +73,7 @@ def stage_visits(depth: int, strategy_names: tuple[str, ...] = tuple(STRATEGIES)
             history = History([PassRecord("capture", program, PassReport("capture"), 0.0, estimate_memory(program))])
             final = PassManager(ordered_passes(config), [instrument]).run(program, config, history)
             start = counter.total
-            Executable(final)
-            results[name] = {"capture": capture, **instrument.visits, "codegen": counter.total - start}
+            executable = Executable(final)
+            results[name] = {"capture": capture, **instrument.visits, "codegen": counter.total - start,
+                             "codegen_source": len(executable.source)}
     return results

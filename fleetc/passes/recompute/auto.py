@@ -67,46 +67,55 @@ def repeated_blocks(region: ForwardRegion) -> list[str]:
     return sorted(longest, key=lambda m: region.index[region.producer[outputs[m]].name])
 
 
-def block_plans(region: ForwardRegion) -> list[RecomputePlan]:
-    """Checkpoints after every k-th repeated block (k ≈ √n is the classic sqrt(n) plan), and after each of the
-    first m blocks only (the last n − m blocks keep their activations: less re-run compute, a higher peak)."""
+def block_checkpoints(region: ForwardRegion) -> list[tuple[str, tuple[str, ...]]]:
+    """(label, checkpoints) of the repeated-block plans: after every k-th block (k ≈ √n is the classic sqrt(n)
+    plan), and after each of the first m blocks only (the last n − m blocks keep their activations: less re-run
+    compute, a higher peak)."""
     blocks = repeated_blocks(region)
-    plans = []
-    for stride in range(1, len(blocks) + 1):
-        plan = checkpoint_plan(region, tuple(blocks[stride - 1::stride]))
-        plan.label = f"checkpoints every {stride} of {len(blocks)} blocks"
-        plans.append(plan)
-    for m in range(1, len(blocks) - 1):
-        plan = checkpoint_plan(region, tuple(blocks[:m]))
-        plan.label = f"checkpoints after each of the first {m} of {len(blocks)} blocks"
-        plans.append(plan)
-    return plans
+    n = len(blocks)
+    every = [(f"checkpoints every {k} of {n} blocks", tuple(blocks[k - 1::k])) for k in range(1, n + 1)]
+    return every + [(f"checkpoints after each of the first {m} of {n} blocks", tuple(blocks[:m]))
+                    for m in range(1, n - 1)]
+
+
+def _labelled(plan: RecomputePlan, label: str) -> RecomputePlan:
+    plan.label = label
+    return plan
 
 
 @dataclass
 class Candidate:
-    """A plan with its re-run cost (estimated FLOPs) and, once evaluated, its estimated peak bytes."""
+    """A plan with its re-run cost (estimated FLOPs) and, once evaluated, its estimated peak bytes; `checkpoints`
+    rebuilds a repeated-block plan with its notes once it is chosen (candidates are built without them)."""
 
     plan: RecomputePlan
     recompute_flops: float
     peak_bytes: int | None = None
+    checkpoints: tuple[str, ...] | None = None
 
 
 def budget_plan(region: ForwardRegion, policy: RecomputePolicy, budget_mb: float,
                 estimate_peak: Callable[[RecomputePlan], int]) -> RecomputePlan:
     """The plan re-running the fewest FLOPs whose estimated peak is within `budget_mb` MiB.
 
-    Candidates: no recompute, the min-cut plan, and the repeated-block checkpoint plans (`block_plans`).
+    Candidates: no recompute, the min-cut plan, and the repeated-block checkpoint plans (`block_checkpoints`).
     They are tried cheapest first; `estimate_peak` applies one to a copy of the Program and returns its
-    estimated peak, so the search stops at the first plan that fits.
+    estimated peak, so the search stops at the first plan that fits. With n repeated blocks there are about 2n
+    candidates, each built, costed and (at worst) tried in time linear in the region: the search is quadratic in
+    depth (tests/test_compile_scaling.py bounds it), where planning per distinct block would make it linear.
     """
     no_recompute = RecomputePlan(frozenset(region.producer), label="no recompute")
-    plans = [no_recompute, min_cut_plan(region), *block_plans(region)]
-    candidates = sorted((Candidate(plan, recompute_cost(region, plan, policy)) for plan in plans),
-                        key=lambda c: c.recompute_flops)
+    candidates = [Candidate(plan, recompute_cost(region, plan, policy)) for plan in (no_recompute,
+                                                                                     min_cut_plan(region))]
+    for label, checkpoints in block_checkpoints(region):
+        plan = _labelled(checkpoint_plan(region, checkpoints, explain=False), label)
+        candidates.append(Candidate(plan, recompute_cost(region, plan, policy), checkpoints=checkpoints))
+    candidates.sort(key=lambda c: c.recompute_flops)
     for candidate in candidates:
         candidate.peak_bytes = estimate_peak(candidate.plan)
         if candidate.peak_bytes <= budget_mb * 2**20:
+            if candidate.checkpoints is not None:
+                candidate.plan = _labelled(checkpoint_plan(region, candidate.checkpoints), candidate.plan.label)
             tried = [c for c in candidates if c.peak_bytes is not None]
             candidate.plan.notes.append(
                 f"memory budget {budget_mb:g} MiB: chose '{candidate.plan.label}' (estimated peak "

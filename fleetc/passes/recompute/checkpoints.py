@@ -92,10 +92,13 @@ def _segments(region: ForwardRegion, values: list[str]) -> _Segments:
     return _Segments(saved, group_of, required, crossing & reads, reads)
 
 
-def checkpoint_plan(region: ForwardRegion, names: tuple[str, ...]) -> RecomputePlan:
+def checkpoint_plan(region: ForwardRegion, names: tuple[str, ...], explain: bool = True) -> RecomputePlan:
     """Segments between consecutive checkpoints (inputs count as the first); the tail after the last stays saved.
 
-    A checkpoint is unused when it repeats an earlier one or when leaving it out gives the same rewrite.
+    A checkpoint is unused when it repeats an earlier one or when leaving it out gives the same rewrite. Finding
+    the second kind rebuilds the segments once per checkpoint; `explain=False` skips it (the plan's saved values
+    and groups are the same, only its unused-checkpoint notes and `checkpoints` count may differ), so that a
+    search can build many candidate plans in time linear in the region each.
     """
     outputs = module_outputs(region)
     resolved = resolve(region, names, outputs)
@@ -113,7 +116,7 @@ def checkpoint_plan(region: ForwardRegion, names: tuple[str, ...]) -> RecomputeP
     values = [v for _, v in firsts]
     segments = _segments(region, values)
     effect = segments.effect(region)
-    for given, value in firsts:
+    for given, value in firsts if explain else ():
         if _segments(region, [v for v in values if v != value]).effect(region) == effect:
             unused[given] = "leaving it out gives the same rewrite"
     notes += [f"unused checkpoint {given!r}: {why}" for given, why in unused.items()]
