@@ -58,10 +58,16 @@ def allocation_peak_bytes(fn: Callable[[], object]) -> int:
     the tracker above cannot (eager's autograd keeps saved tensors where no Python name holds them)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    peak, stack = 0, list(prof.profiler.kineto_results.experimental_event_tree())
+    allocations, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         event = stack.pop()
         stack.extend(event.children)
         if event.typed[0] == _EventType.Allocation:
-            peak = max(peak, event.typed[1].total_allocated)
-    return peak
+            allocations.append((event.start_time_ns, event.typed[1].total_allocated, event.typed[1].alloc_size))
+    if not allocations:
+        return 0
+    allocations.sort()
+    # The running total counts every allocation made under any profiler session of the process and still alive
+    # (an earlier measurement's retained tensors): the peak is taken above the total before fn's first event.
+    start = allocations[0][1] - allocations[0][2]
+    return max(total for _, total, _ in allocations) - start
