@@ -23,7 +23,7 @@ from conftest import eager_step
 from zoo import OPTIMIZERS, ZOO, ZooEntry
 
 import fleetc
-from fleetc.runtime.memory import allocation_peak_bytes
+from fleetc.runtime.memory import allocation_peak_bytes, held_bytes
 
 
 class EncoderLayer(nn.Module):
@@ -105,10 +105,11 @@ def step_times(entry: ZooEntry, args: argparse.Namespace) -> dict[str, float]:
     return {name: 1000 * statistics.median(t) for name, t in times.items()}
 
 
-def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes held between steps: parameters, buffers and optimizer state."""
     tensors = list(model.parameters()) + list(model.buffers())
     tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    return sum(t.untyped_storage().nbytes() for t in tensors)
+    return held_bytes(tensors)
 
 
 def memory(entry: ZooEntry, optimizer: str) -> dict[str, int]:
@@ -123,7 +124,7 @@ def memory(entry: ZooEntry, optimizer: str) -> dict[str, int]:
     for a, k in batches[:2]:
         eager_step(model, opt, entry.loss_fn, a, k)
     a, k = batches[2]
-    out["eager"] = held_bytes(model, opt) + allocation_peak_bytes(lambda: eager_step(model, opt, entry.loss_fn, a, k))
+    out["eager"] = state_bytes(model, opt) + allocation_peak_bytes(lambda: eager_step(model, opt, entry.loss_fn, a, k))
     for planner in (False, True):
         model = copy.deepcopy(base)
         trainer = trainer_for(entry, model, optimizer, planner=planner)
@@ -131,7 +132,7 @@ def memory(entry: ZooEntry, optimizer: str) -> dict[str, int]:
             trainer.step(*a, **k)
         a, k = batches[2]
         key = "planner on" if planner else "planner off"
-        out[key] = held_bytes(model, trainer.optimizer) + allocation_peak_bytes(
+        out[key] = state_bytes(model, trainer.optimizer) + allocation_peak_bytes(
             lambda trainer=trainer, a=a, k=k: trainer.step(*a, **k))
         out[f"planned ({key})"] = trainer.memory_stats()["estimated_peak_bytes"]
     return out
