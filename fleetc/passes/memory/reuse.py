@@ -26,7 +26,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from fleetc.ir.liveness import block_reads, estimate_memory, last_use_index, storage_roots
+from fleetc.ir.liveness import (
+    block_reads,
+    estimate_memory,
+    last_use_index,
+    storage_roots,
+)
 from fleetc.ir.program import Block, Program, Ref, VarKind
 from fleetc.passes.base import PassReport
 from fleetc.passes.data_parallel.views import OUT_KERNELS
