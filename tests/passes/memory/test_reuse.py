@@ -1,14 +1,20 @@
 """memory_optimize (buffer reuse): the zoo matches eager and is bit-identical to memory_optimize off, alone and with
 enable_inplace, recompute, gradient merge, auto fusion and the multi-threaded scheduler; the planned peak does not
-change, and the measured one does not grow."""
+change, and the measured one does not grow; an eval Program with reused buffers exports."""
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
 from conftest import run_side_by_side
+from helpers.export import eager_eval, trained
 from zoo import ZOO
 
 import fleetc
+from fleetc import fleet
+from fleetc.fleet import export_sources
+from fleetc.fleet.inference import MODEL_FILE
 from fleetc.ir.liveness import estimate_memory
 
 # Zoo models with a matmul or sum result that can take a dead temporary's buffer (the cnn's are convolutions).
@@ -88,3 +94,15 @@ def test_gpt_with_dropout_keeps_its_bits_combined_with(combination):
         on.assert_same()                 # tests/passes/test_gradient_merge.py checks for the run without it
     _assert_identical(on, off)
     assert _reused(on.trainer) > 0
+
+
+def test_an_eval_program_with_reused_buffers_exports_and_matches_eager_eval(tmp_path):
+    trainer, args, kwargs = trained(ZOO["gpt"], _strategy(True), steps=1)
+    inputs = export_sources.named_inputs(trainer.model, args, kwargs)
+    with warnings.catch_warnings():  # the static-batch note is not what this checks
+        warnings.simplefilter("ignore")
+        result = fleet.save_inference_model(None, str(tmp_path), list(inputs), ["output"], main_program=trainer)
+    eval_program = result.artifacts[0].history["eval"].program
+    assert any(op.type.endswith(".out") for op in eval_program.global_block.ops)  # a buffer was reused
+    got = torch.export.load(str(tmp_path / MODEL_FILE)).module()(*inputs.values())
+    torch.testing.assert_close(got, eager_eval(trainer.model, **inputs), rtol=1e-5, atol=1e-6)
