@@ -1,6 +1,6 @@
-"""The multi-threaded scheduler and the in-place memory planner, per model: step time for num_threads 1 (the
-straight-line function), 2 and 4 against eager; peak live tensor bytes and process peak RSS with enable_inplace off
-and on against eager. See bench/README.md ("execution") for how to read the figures."""
+"""The multi-threaded scheduler and the memory planner, per model: step time for num_threads 1 (the straight-line
+function), 2 and 4 against eager; peak live tensor bytes and process peak RSS with the planner (enable_inplace and
+memory_optimize) off and on against eager. See bench/README.md ("execution") for how to read the figures."""
 from __future__ import annotations
 
 import argparse
@@ -23,7 +23,7 @@ from conftest import eager_step
 from zoo import OPTIMIZERS, ZOO, ZooEntry
 
 import fleetc
-from fleetc.runtime.memory import allocation_peak_bytes
+from fleetc.runtime.memory import allocation_peak_bytes, held_bytes
 
 
 class EncoderLayer(nn.Module):
@@ -69,10 +69,12 @@ def _encoder_batch(g: torch.Generator) -> tuple[tuple, dict]:
 MODELS = {**ZOO, "encoder": ZooEntry("encoder", Encoder, _encoder_batch, F.cross_entropy)}
 
 
-def trainer_for(entry: ZooEntry, model: nn.Module, optimizer: str, **execution) -> fleetc.CompiledTrainer:
+def trainer_for(entry: ZooEntry, model: nn.Module, optimizer: str, planner: bool = False,
+                **execution) -> fleetc.CompiledTrainer:
+    """A trainer with `execution` as its execution_strategy and the memory planner's two passes on or off."""
     strategy = fleetc.DistributedStrategy()
-    strategy.execution_strategy = {k: v for k, v in execution.items() if k != "enable_inplace"}
-    strategy.build_strategy.enable_inplace = execution.get("enable_inplace", False)
+    strategy.execution_strategy = execution
+    strategy.build_strategy.enable_inplace = strategy.build_strategy.memory_optimize = planner
     return fleetc.compile(model, strategy, optimizer=OPTIMIZERS[optimizer](model.parameters()), loss_fn=entry.loss_fn)
 
 
@@ -83,6 +85,7 @@ def runners(entry: ZooEntry, optimizer: str) -> dict:
     out = {"eager": lambda *a, **k: eager_step(model, opt, entry.loss_fn, a, k)}
     for threads in (1, 2, 4):
         out[f"threads={threads}"] = trainer_for(entry, copy.deepcopy(base), optimizer, num_threads=threads).step
+    out["planner on"] = trainer_for(entry, copy.deepcopy(base), optimizer, planner=True).step
     return out
 
 
@@ -102,15 +105,16 @@ def step_times(entry: ZooEntry, args: argparse.Namespace) -> dict[str, float]:
     return {name: 1000 * statistics.median(t) for name, t in times.items()}
 
 
-def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes held between steps: parameters, buffers and optimizer state."""
     tensors = list(model.parameters()) + list(model.buffers())
     tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    return sum(t.untyped_storage().nbytes() for t in tensors)
+    return held_bytes(tensors)
 
 
 def memory(entry: ZooEntry, optimizer: str) -> dict[str, int]:
     """Peak live tensor bytes of one step (held state + the step's allocation peak, both measured from the
-    allocator), for eager and fleetc with enable_inplace off and on; and fleetc's planned peak with it on."""
+    allocator), for eager and fleetc with the planner off and on; and fleetc's planned peak with it on."""
     g = torch.Generator().manual_seed(0)
     batches = [entry.make_batch(g) for _ in range(3)]
     base = entry.make_model()
@@ -120,15 +124,15 @@ def memory(entry: ZooEntry, optimizer: str) -> dict[str, int]:
     for a, k in batches[:2]:
         eager_step(model, opt, entry.loss_fn, a, k)
     a, k = batches[2]
-    out["eager"] = held_bytes(model, opt) + allocation_peak_bytes(lambda: eager_step(model, opt, entry.loss_fn, a, k))
-    for inplace in (False, True):
+    out["eager"] = state_bytes(model, opt) + allocation_peak_bytes(lambda: eager_step(model, opt, entry.loss_fn, a, k))
+    for planner in (False, True):
         model = copy.deepcopy(base)
-        trainer = trainer_for(entry, model, optimizer, enable_inplace=inplace)
+        trainer = trainer_for(entry, model, optimizer, planner=planner)
         for a, k in batches[:2]:
             trainer.step(*a, **k)
         a, k = batches[2]
-        key = "inplace on" if inplace else "inplace off"
-        out[key] = held_bytes(model, trainer.optimizer) + allocation_peak_bytes(
+        key = "planner on" if planner else "planner off"
+        out[key] = state_bytes(model, trainer.optimizer) + allocation_peak_bytes(
             lambda trainer=trainer, a=a, k=k: trainer.step(*a, **k))
         out[f"planned ({key})"] = trainer.memory_stats()["estimated_peak_bytes"]
     return out
@@ -145,7 +149,7 @@ def rss_child(model_name: str, variant: str, optimizer: str) -> None:
         opt = OPTIMIZERS[optimizer](model.parameters())
         step = lambda *a, **k: eager_step(model, opt, entry.loss_fn, a, k)
     else:
-        step = trainer_for(entry, model, optimizer, enable_inplace=variant == "inplace on").step
+        step = trainer_for(entry, model, optimizer, planner=variant == "planner on").step
     for _ in range(5):
         a, k = entry.make_batch(g)
         step(*a, **k)
@@ -155,7 +159,7 @@ def rss_child(model_name: str, variant: str, optimizer: str) -> None:
 
 def rss(model_name: str, optimizer: str) -> dict[str, int]:
     out = {}
-    for variant in ("eager", "inplace off", "inplace on"):
+    for variant in ("eager", "planner off", "planner on"):
         result = subprocess.run([sys.executable, __file__, "--rss-child", model_name, variant, "--optimizer", optimizer],
                                 capture_output=True, text=True, check=True)
         out[variant] = int(result.stdout.split()[-1])
@@ -176,19 +180,19 @@ def main() -> None:
         return
     results = {}
     print(f"torch intra-op threads: {torch.get_num_threads()}")
-    print("| model | eager ms | threads=1 ms | threads=2 ms | threads=4 ms | peak MiB eager / off / on (planned on) "
-          "| on/eager | RSS MiB eager / off / on |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| model | eager ms | threads=1 ms | threads=2 ms | threads=4 ms | planner on ms "
+          "| peak MiB eager / off / on (planned on) | on/eager | RSS MiB eager / off / on |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in args.models.split(","):
         entry = MODELS[name]
         times, mem, peak_rss = step_times(entry, args), memory(entry, args.optimizer), rss(name, args.optimizer)
         results[name] = {"ms": times, "bytes": mem, "rss_kib": peak_rss}
         mib = lambda b: f"{b / 2**20:.2f}"
         print(f"| {name} | {times['eager']:.2f} | {times['threads=1']:.2f} | {times['threads=2']:.2f} | "
-              f"{times['threads=4']:.2f} | {mib(mem['eager'])} / {mib(mem['inplace off'])} / {mib(mem['inplace on'])} "
-              f"({mib(mem['planned (inplace on)'])}) | {mem['inplace on'] / mem['eager']:.2f}x | "
-              f"{peak_rss['eager'] / 1024:.0f} / {peak_rss['inplace off'] / 1024:.0f} / "
-              f"{peak_rss['inplace on'] / 1024:.0f} |", flush=True)
+              f"{times['threads=4']:.2f} | {times['planner on']:.2f} | {mib(mem['eager'])} / {mib(mem['planner off'])} / {mib(mem['planner on'])} "
+              f"({mib(mem['planned (planner on)'])}) | {mem['planner on'] / mem['eager']:.2f}x | "
+              f"{peak_rss['eager'] / 1024:.0f} / {peak_rss['planner off'] / 1024:.0f} / "
+              f"{peak_rss['planner on'] / 1024:.0f} |", flush=True)
     if args.json:
         print(json.dumps(results, indent=1))
 

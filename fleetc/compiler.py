@@ -51,6 +51,7 @@ from fleetc.runtime.compile_cache import CompileCache
 from fleetc.runtime.execution import ExecutionPlan
 from fleetc.runtime.dynamic_policy import DynamicPolicy
 from fleetc.runtime.executor import Executable
+from fleetc.runtime.memory import eager_peak_bytes
 from fleetc.runtime.guards import GuardCheck, input_key, observe_guards
 from fleetc.runtime.guards.shapes import ShapeGuards
 from fleetc.runtime.hyperparameters import HyperparameterFeeds
@@ -142,6 +143,7 @@ class CompiledTrainer:
         self._last_train: CompiledStep | None = None
         self._last_eval: CompiledStep | None = None
         self._last_shapes: list[torch.Size] = []
+        self._last_batch: tuple[tuple, dict] | None = None  # under measure_memory: memory_stats() runs it eagerly
         self._optimizer_signature = OptimizerSignature()
 
     # ----- compiling -------------------------------------------------------------------------
@@ -321,6 +323,8 @@ class CompiledTrainer:
         if compiled.shapes is not None:
             self._last_shapes = [leaves[i].shape for i in compiled.tensor_positions]  # memory_stats() sizes
         self._refuse_accumulating_post_hooks(compiled)
+        if self.measure_memory:
+            self._last_batch = (args, kwargs)
         tensors = [leaves[i] for i in compiled.tensor_positions]
         feeds = _fed(compiled, tensors) + compiled.hyper_feeds.values()  # before resolve(), which creates missing optimizer state
         with self._optimizer_step_hooks(compiled):
@@ -423,13 +427,15 @@ class CompiledTrainer:
         return self._require_train().executable.source
 
     def memory_stats(self) -> dict[str, Any]:
-        """The estimated peak (and the measured one under measure_memory=True). For a dynamic Program the
+        """The estimated peak (and under measure_memory=True the measured one, and eager PyTorch's for the last batch,
+        measured on copies: `fleetc.runtime.memory.eager_peak_bytes`). For a dynamic Program the
         estimate is for the last step's sizes, with `estimated_peak_formula` in the dim names."""
         compiled = self._require_train()
         sizes = compiled.shapes.sizes(self._last_shapes) if compiled.shapes is not None else None
         stats = estimate_memory(compiled.program, sizes).as_dict()
         if compiled.executable.last_measured_peak_bytes is not None:
             stats["measured_peak_bytes"] = compiled.executable.last_measured_peak_bytes
+            stats["eager_peak_bytes"] = eager_peak_bytes(self.model, self.optimizer, self.loss_fn, *self._last_batch)
         return stats
 
 

@@ -1,9 +1,10 @@
 """Pass combinations on the zoo's GPT-style model (dropout on: RNG replay is exercised) and CNN.
 
-Rule: a pass meant to be an exact rewrite (recompute, the fusion flags, auto fusion, fuse_all_optimizer_ops) changes
-nothing but speed and memory, so a combination equals the run with only its non-exact options (gradient merge,
-AMP bf16); with none, it matches eager PyTorch within fp32 tolerance. CI runs the all-on combinations and a few
-pairs; FLEETC_FULL=1 runs every pair. Data parallel is not in this matrix (tests/fleet cover it on gloo processes).
+Rule: a pass meant to be an exact rewrite (recompute, the fusion flags, auto fusion, fuse_all_optimizer_ops, the
+memory planner's enable_inplace and memory_optimize) changes nothing but speed and memory, so a combination equals
+the run with only its non-exact options (gradient merge, AMP bf16); with none, it matches eager PyTorch within fp32
+tolerance. CI runs the all-on combinations and a few pairs; FLEETC_FULL=1 runs every pair. Data parallel is not in
+this matrix (tests/fleet cover it on gloo processes).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ def _options(model: str) -> dict[str, dict]:
         "gradient_merge": {"gradient_merge": True, "gradient_merge_configs": {"k_steps": 2}},
         "amp_bf16": {"amp": True, "amp_configs": {"dtype": "bfloat16"}},
         "enable_auto_fusion": {"build_strategy.enable_auto_fusion": True},
+        "memory_planner": {"build_strategy.enable_inplace": True, "build_strategy.memory_optimize": True},
     }
     options.update({flag: {f"build_strategy.{flag}": True} for flag in fusion_flags()})
     return options

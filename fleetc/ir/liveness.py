@@ -85,6 +85,17 @@ def mutated_inputs(op: Op) -> list[str]:
     return names
 
 
+def storage_roots(block: Block) -> dict[str, str]:
+    """For every view (or out= result) defined in `block`, the Var that owns the storage it shares."""
+    root: dict[str, str] = {}
+    for op in block.ops:
+        for j, name in enumerate(op.outputs):
+            base = aliased_input(op, j) if name is not None else None
+            if base is not None:
+                root[name] = root.get(base, base)
+    return root
+
+
 def last_use_index(program: Program, block: Block, keep: set[str]) -> dict[str, int]:
     """For every temporary defined or read in `block`, the index of the op after which it is dead.
 
@@ -92,18 +103,13 @@ def last_use_index(program: Program, block: Block, keep: set[str]) -> dict[str, 
     so a base's death is pushed to its views' last use.
     """
     last: dict[str, int] = {}
-    base_of: dict[str, str] = {}
     for i, op in enumerate(block.ops):
         for name in block_reads(program, op):
             last[name] = i
-        for j, name in enumerate(op.outputs):
-            if name is None:
-                continue
-            last.setdefault(name, i)
-            base = aliased_input(op, j)
-            if base is not None:
-                base_of[name] = base_of.get(base, base)
-    for view, base in base_of.items():
+        for name in op.outputs:
+            if name is not None:
+                last.setdefault(name, i)
+    for view, base in storage_roots(block).items():
         last[base] = max(last.get(base, 0), last.get(view, 0))
     return {n: i for n, i in last.items()
             if n not in keep and (v := program.find_var(n, block.idx)) is not None and v.kind is VarKind.TEMP}

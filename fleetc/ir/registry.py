@@ -21,6 +21,8 @@ class OpDef:
     imported on first use, so `import fleetc` never imports triton. `cpu_kernel` names the op's planner in
     the CPU backend (fleetc/codegen/cpu), `(op, input Vars) -> CpuPlan`: generated C++ kernels that the
     runtime switches an op to per Program when the backend is on (CPU tensors otherwise run the reference).
+    `draws_random` says that the op advances the default random generator (a dropout that draws its mask or
+    seed), so the scheduler keeps such ops in Program order and every draw sees what it saw in eager order.
     """
 
     name: str
@@ -29,20 +31,22 @@ class OpDef:
     kernels: dict[str, str] = field(default_factory=dict)
     kernel_sources: str | None = None
     cpu_kernel: str | None = None
+    draws_random: bool = False
 
 
 _REGISTRY: dict[str, OpDef] = {}
 
 
 def register_op(name: str, summary: str, *, kernels: dict[str, str] | None = None,
-                kernel_sources: str | None = None, cpu_kernel: str | None = None) -> Callable[[Callable], Callable]:
+                kernel_sources: str | None = None, cpu_kernel: str | None = None,
+                draws_random: bool = False) -> Callable[[Callable], Callable]:
     """Decorator: register `fn` as the reference semantics of op type `fleetc.<name>` (plus its device kernels)."""
 
     def wrap(fn: Callable) -> Callable:
         full = f"fleetc.{name}"
         if full in _REGISTRY:
             raise ValueError(f"op type {full!r} is registered twice")
-        _REGISTRY[full] = OpDef(full, fn, summary, dict(kernels or {}), kernel_sources, cpu_kernel)
+        _REGISTRY[full] = OpDef(full, fn, summary, dict(kernels or {}), kernel_sources, cpu_kernel, draws_random)
         return fn
 
     return wrap

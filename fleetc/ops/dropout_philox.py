@@ -94,7 +94,7 @@ def is_training(train: bool | None) -> bool:
 @register_op("fused_dropout_add_philox", "dropout(x) + residual in one op; the keep mask comes from a recorded "
              "Philox seed/offset (returned as a 2-element int64 tensor), never stored",
              kernels={"cuda": "fleetc.codegen.triton.dropout:run_fused_dropout_add_philox"},
-             kernel_sources="fleetc.codegen.triton.dropout:fused_dropout_add_philox_sources")
+             kernel_sources="fleetc.codegen.triton.dropout:fused_dropout_add_philox_sources", draws_random=True)
 def fused_dropout_add_philox(x: torch.Tensor, residual: torch.Tensor, p: float,
                              train: bool | None) -> tuple[torch.Tensor, torch.Tensor]:
     """aten: `out = add.Tensor(residual, where.self(keep, mul.Tensor(x, scale), 0))` with `keep` the Philox

@@ -54,7 +54,7 @@ def fused_elemwise_add_act_grad(dout: torch.Tensor, saved: torch.Tensor | None, 
 
 
 @register_op("fused_dropout_add", "dropout(x) + residual in one op, also returning the keep mask",
-             cpu_kernel="fleetc.codegen.cpu.dropout:plan_dropout_add")
+             cpu_kernel="fleetc.codegen.cpu.dropout:plan_dropout_add", draws_random=True)
 def fused_dropout_add(x: torch.Tensor, residual: torch.Tensor, p: float, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """aten: `dropped, mask = native_dropout(x, p, train); out = add.Tensor(residual, dropped)`.
 

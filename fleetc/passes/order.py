@@ -28,7 +28,7 @@ from fleetc.passes.fusion import (
     FuseOptimizerOps,
 )
 from fleetc.passes.gradient_merge import GradientMerge
-from fleetc.passes.memory import InplacePointwise
+from fleetc.passes.memory import InplacePointwise, ReuseBuffers
 from fleetc.passes.optimizers import AdaptiveLocalSGD, GradClip, GradientClip, Lamb, Lars, LocalSGD
 from fleetc.passes.parameter_server import ParameterServerRewrite
 from fleetc.passes.pipeline_parallel.split import PipelineSplit
@@ -71,6 +71,7 @@ PASS_ORDER: tuple[type, ...] = (
     FuseOptimizerOps,  # one multi-tensor update per group
     DeadCodeElimination,  # results nobody reads (e.g. saved stats of unused outputs)
     InplacePointwise,  # memory planning, last: liveness of the final Program decides what may be overwritten
+    ReuseBuffers,  # then results written into temporaries that just died (the in-place rewrites already taken)
 )
 
 

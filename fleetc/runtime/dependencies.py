@@ -7,8 +7,8 @@ op writes: the Vars it defines, the arguments an aten schema marks as written (`
 conditional block, everything its sub-block writes (the block runs as one node, so the ops inside it are ordered by
 their control dependency on the condition). Two hidden resources are ordered like written Vars:
 
-- the default random generator, for ops that draw from it (aten ops tagged `nondeterministic_seeded`, fleetc's
-  dropout ops), so every draw sees the same generator state as in Program order;
+- the default random generator, for ops that draw from it (aten ops tagged `nondeterministic_seeded`, fleetc ops
+  registered with `draws_random=True`), so every draw sees the same generator state as in Program order;
 - the communication stream: collective and P2P ops (op role `collective`) form one total order, so every rank
   issues them in the same order (gloo aborts when ranks disagree); a collective op writes every Var it reads,
   as a bucket fill copies into its buffer.
@@ -26,20 +26,18 @@ import torch
 
 from fleetc.ir.liveness import aliased_input, block_reads, mutated_inputs
 from fleetc.ir.program import Block, Op, OpRole, Program
-from fleetc.ir.registry import resolve_callable
+from fleetc.ir.registry import op_def, resolve_callable
 
 RNG = "<default generator>"
 COMM = "<communication stream>"
-# fleetc ops whose reference draws from the default generator (aten ops say so in their tags).
-RNG_FLEETC_OPS = frozenset({"fleetc.fused_dropout_add", "fleetc.fused_dropout_add_philox"})
 
 
 @functools.cache
 def draws_random(op_type: str) -> bool:
     """Whether ops of this type advance the default random generator."""
-    if op_type.startswith("fleetc."):
-        return op_type in RNG_FLEETC_OPS
     try:
+        if op_type.startswith("fleetc."):
+            return op_def(op_type).draws_random
         return torch.Tag.nondeterministic_seeded in resolve_callable(op_type).tags
     except (KeyError, AttributeError):
         return True  # unknown: ordered, to be safe

@@ -7,10 +7,11 @@ from typing import Any
 import torch
 
 from fleetc.codegen.cpu.backend import KernelUsage, prepare, resolve_mode
+from fleetc.errors import FleetcError
 from fleetc.ir.program import Program
 from fleetc.runtime.memory import MemoryTracker
 from fleetc.runtime.pycodegen import GeneratedStep, generate_step, profiler_active
-from fleetc.runtime.scheduler import ScheduledStep
+from fleetc.runtime.scheduler import ScheduledStep, worker_error
 
 
 class Executable:
@@ -20,6 +21,7 @@ class Executable:
     tensors run generated C++ kernels (fleetc/codegen/cpu/backend.py); `kernel_usage` counts what ran.
     `num_threads` > 1 runs the ops on the multi-threaded scheduler (fleetc/runtime/scheduler.py); 1, the default, runs
     the generated straight-line function in Program order. Measuring memory always runs the straight-line function.
+    An op that fails raises `ExecutionError` naming it, its module path and the user's source line, either way.
     Under torch.profiler every op runs inside a `record_function` range named by its module path and op name.
     """
 
@@ -42,14 +44,14 @@ class Executable:
     def source(self) -> str:
         return self.generated.source
 
-    def _step_function(self):
+    def _step_function(self) -> GeneratedStep:
         """The generated function; under torch.profiler, its variant with a `record_function` range per op."""
         if not profiler_active():
-            return self.generated.fn
+            return self.generated
         if self._profiled is None:
             self._profiled = generate_step(self.program, measure_memory=self.measure_memory,
                                            op_callables=self.cpu.callables, profile=True)
-        return self._profiled.fn
+        return self._profiled
 
     def run(self, state: dict[str, torch.Tensor], feeds: list[Any]) -> dict[str, Any]:
         if self.scheduled is not None:
@@ -57,8 +59,17 @@ class Executable:
         tracker = None
         if self.measure_memory:
             tracker = MemoryTracker(list(state.values()))
+        step = self._step_function()
         with torch.no_grad():
-            out = self._step_function()(state, feeds, tracker)
+            try:
+                out = step.fn(state, feeds, tracker)
+            except FleetcError:  # already names what failed
+                raise
+            except Exception as exc:  # the same ExecutionError as from a scheduler thread
+                op = step.failed_op(exc)
+                if op is None:
+                    raise
+                raise worker_error(op, exc) from exc
         if tracker is not None:
             self.last_measured_peak_bytes = tracker.peak
         return out

@@ -44,11 +44,22 @@ def unpacks(op: Op, returned: list[str | None], kernel: Callable) -> bool:
 
 @dataclass
 class GeneratedStep:
-    """The source of `step(state, feeds, mem)` and the globals it runs with."""
+    """The source of `step(state, feeds, mem)`, the globals it runs with, and the op each call line runs."""
 
     source: str
     globals: dict[str, Any]
     fn: Callable
+    op_at_line: dict[int, Op]
+
+    def failed_op(self, exc: BaseException) -> Op | None:
+        """The op whose call raised `exc` inside this step, read from the traceback (nothing is tracked per op, so
+        the step costs nothing more); None when the exception did not pass through the step's code."""
+        tb, line = exc.__traceback__, None
+        while tb is not None:
+            if tb.tb_frame.f_code is self.fn.__code__:
+                line = tb.tb_lineno
+            tb = tb.tb_next
+        return self.op_at_line.get(line) if line is not None else None
 
 
 class _Emitter:
@@ -61,6 +72,7 @@ class _Emitter:
         self.globals: dict[str, Any] = {}
         self.local_names: dict[str, str] = {}
         self.kernel_names: dict[str, str] = {}
+        self.op_at_line: dict[int, Op] = {}
 
     def local(self, var_name: str) -> str:
         """A valid, unique Python identifier for a Var."""
@@ -119,6 +131,7 @@ class _Emitter:
         call = ", ".join([self.expr(a) for a in op.args] + [f"{k}={self.expr(v)}" for k, v in op.kwargs.items()])
         kernel = self.kernel(op)
         call = f"{kernel}({call})"
+        self.op_at_line[len(self.lines) + 1] = op  # the line appended next, 1-based
         if not temps:
             self.lines.append(f"{indent}{call}  # {op.name}")
         elif not unpacks(op, returned, self.globals[kernel]):
@@ -187,4 +200,4 @@ def generate_step(program: Program, *, measure_memory: bool = False,
     source = emitter.generate()
     namespace = dict(emitter.globals)
     exec(compile(source, f"<fleetc step {program.metadata.get('kind', '')}>", "exec"), namespace)
-    return GeneratedStep(source, emitter.globals, namespace["step"])
+    return GeneratedStep(source, emitter.globals, namespace["step"], emitter.op_at_line)

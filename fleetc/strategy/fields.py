@@ -127,6 +127,7 @@ BUILD_STRATEGY = Section("build_strategy", (
     flag("fuse_broadcast_ops", "fuse the parameter broadcasts"),
     flag("fuse_all_optimizer_ops", "update all parameters with one fused optimizer op per group"),
     flag("enable_inplace", "let ops write their output over an input that is no longer needed"),
+    flag("memory_optimize", "let matmuls and sums write their result into a temporary that just died"),
     flag("enable_backward_optimizer_op_deps", "start optimizer ops only after all backward ops", True),
     flag("enable_auto_fusion", "fuse chains of elementwise ops automatically"),
     flag("cache_runtime_context", "reuse per-op runtime context between steps"),

@@ -71,7 +71,6 @@ EXTRA_SECTION_FIELDS: dict[str, tuple[Field, ...]] = {
         flag("enable_partial_send_recv", "Paddle: send only a slice between pipeline stages", True),
     ),
     "build_strategy": (
-        flag("memory_optimize", "Paddle: reuse variable memory (fleetc frees temporaries after their last use)"),
         flag("enable_addto", "Paddle: accumulate gradients in place with addto"),
         flag("allow_cuda_graph_capture", "Paddle: allow capturing the program as a CUDA graph"),
         Field("reduce_strategy", SIZE, 0, "Paddle: 0 allreduce, 1 reduce to one device"),

@@ -90,8 +90,9 @@ def _mlp_executable(num_threads: int):
     return compiled, list(args) + compiled.hyper_feeds.values()
 
 
-def test_an_error_in_a_worker_names_the_op_and_source_and_leaves_no_thread_running():
-    compiled, (x, y, *hyper) = _mlp_executable(4)
+@pytest.mark.parametrize("num_threads", [1, 4])
+def test_an_error_in_a_worker_names_the_op_and_source_and_leaves_no_thread_running(num_threads):
+    compiled, (x, y, *hyper) = _mlp_executable(num_threads)
     before = threading.active_count()
     with pytest.raises(ExecutionError) as info:
         compiled.executable.run(compiled.binding.resolve(), [x[:, :7], y, *hyper])  # wrong width: fc1's matmul fails

@@ -50,7 +50,7 @@ def inplace_variant(op_type: str) -> str | None:
     return f"aten.{packet}_.{overload}"
 
 
-def _fresh_temporaries(program: Program, block: Block) -> set[str]:
+def fresh_temporaries(program: Program, block: Block) -> set[str]:
     """Temporaries of `block` that an aten op returned as new storage and that no view shares."""
     fresh, viewed = set(), set()
     for op in block.ops:
@@ -70,7 +70,7 @@ def _fresh_temporaries(program: Program, block: Block) -> set[str]:
     return fresh - viewed
 
 
-def _same_type(program: Program, block: Block, a: str, b: str) -> bool:
+def same_type(program: Program, block: Block, a: str, b: str) -> bool:
     va, vb = program.var(a, block.idx), program.var(b, block.idx)
     return (va.shape is not None and tuple(va.shape) == tuple(vb.shape or ()) and va.dtype == vb.dtype
             and va.device == vb.device)
@@ -79,7 +79,7 @@ def _same_type(program: Program, block: Block, a: str, b: str) -> bool:
 def plan_inplace(program: Program, block: Block, keep: set[str]) -> list[tuple[int, str]]:
     """(op index, in-place op type) of every op of `block` that can write over its first input."""
     dead_after = last_use_index(program, block, keep)
-    fresh = _fresh_temporaries(program, block) - keep
+    fresh = fresh_temporaries(program, block) - keep
     planned = []
     for i, op in enumerate(block.ops):
         variant = inplace_variant(op.type)
@@ -88,7 +88,7 @@ def plan_inplace(program: Program, block: Block, keep: set[str]) -> list[tuple[i
         source, result = op.args[0].name, op.outputs[0]
         uses = [*iter_refs(op.args), *iter_refs(op.kwargs)].count(source)
         if (source in fresh and dead_after.get(source) == i and uses == 1 and result is not None
-                and _same_type(program, block, source, result)):
+                and same_type(program, block, source, result)):
             planned.append((i, variant))
             fresh.discard(source)
     return planned
