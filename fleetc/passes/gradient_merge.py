@@ -21,6 +21,7 @@ from fleetc.errors import PassError
 from fleetc.ir.liveness import block_reads
 from fleetc.ir.program import Block, Op, OpRole, Program, Ref, Var, VarKind
 from fleetc.passes.base import PassReport
+from fleetc.passes.parameter_server import ps_metadata
 
 PROVENANCE = "gradient_merge"
 _UPDATE_ROLES = OpRole.OPTIMIZE | OpRole.LR_SCHED
@@ -119,6 +120,12 @@ class GradientMerge:
     def run(self, program: Program, config: Any) -> tuple[Program, PassReport]:
         k_steps, avg = config.gradient_merge_configs.k_steps, config.gradient_merge_configs.avg
         report = PassReport(self.name)
+        ps = ps_metadata(program)
+        if ps is not None and ps["mode"] != "geo":
+            report.skipped_reason = (f"parameter-server {ps['mode']} mode: the servers run the update, so the "
+                                     f"worker's ps_push merges the gradients and sends them every {k_steps} steps "
+                                     "(parameter_server pass)")
+            return program, report
         block = program.global_block
         update = update_op_indices(program, block)
         if not update:
