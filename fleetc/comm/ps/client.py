@@ -187,9 +187,12 @@ class Client:
 
     def _geo_rows(self, table: str, local: torch.Tensor) -> torch.Tensor:
         """The rows of a table a geo sync pushes and pulls: those the batches since the last sync looked up, and
-        those the local update changed (an update can change rows no recent batch looked up: gradient merge
-        applies earlier batches' gradients, momentum keeps moving rows)."""
+        those the local update changed. A table updated lazily (geo_update_rows) changed only the rows looked up;
+        a dense local update can change others (gradient merge applies earlier batches' gradients, momentum keeps
+        moving rows), found by comparing the whole table with the last sync's values."""
         noted = torch.tensor(sorted(self.touched.get(table, ())), dtype=torch.long)
+        if table in self.row_state:
+            return noted
         changed = (local != self.snapshot[table]).any(dim=1).nonzero().flatten()
         return torch.unique(torch.cat([noted, changed]))
 
