@@ -31,9 +31,10 @@ def ps_mode(config: Any) -> tuple[str, int]:
 
 
 def embedding_tables(model: nn.Module) -> set[str]:
-    """The weights of the model's nn.Embedding modules: the tables row-sharded over the servers."""
+    """The weights of the model's nn.Embedding and nn.EmbeddingBag modules: the tables row-sharded over the
+    servers."""
     return {f"{path}.weight" if path else "weight" for path, module in model.named_modules()
-            if isinstance(module, nn.Embedding)}
+            if isinstance(module, (nn.Embedding, nn.EmbeddingBag))}
 
 
 class ParameterServerTrainer(CompiledTrainer):
@@ -76,11 +77,19 @@ class ParameterServerTrainer(CompiledTrainer):
     def _optimize(self, program: Program, capture_seconds: float) -> tuple[Program, History, CompileReport]:
         program.metadata["parameter_server"] = {
             "mode": self.mode, "k_steps": self.k_steps, "use_thread_barrier": self.barrier,
-            "placement": self.placement.to_data(), "lr": self.spec["lr"]}
+            "placement": self.placement.to_data(), "lr": self.spec["lr"], **self._merge()}
         final, history, report = super()._optimize(program, capture_seconds)
         if report.skipped.pop(THREAD_BARRIER, None) is not None and self.mode == "sync":
             report.skipped[THREAD_BARRIER] = "not needed: sync mode already waits for every worker at each step"
         return final, history, report
+
+    def _merge(self) -> dict:
+        """Gradient merge in sync / async mode: the worker's push sends every k steps (the gradient_merge pass
+        stands aside); in geo mode the gradient_merge pass merges the local update as in one process."""
+        if not self.config.gradient_merge or self.mode == "geo":
+            return {}
+        merge = self.config.gradient_merge_configs
+        return {"merge_steps": int(merge.k_steps), "merge_avg": bool(merge.avg)}
 
     # ----- checkpoints: gathered from the servers, written by the calling worker ------------
     def pull_all(self) -> None:

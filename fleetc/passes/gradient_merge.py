@@ -21,6 +21,7 @@ from fleetc.errors import PassError
 from fleetc.ir.liveness import block_reads
 from fleetc.ir.program import Block, Op, OpRole, Program, Ref, Var, VarKind
 from fleetc.passes.base import PassReport
+from fleetc.passes.parameter_server import ps_metadata
 from fleetc.passes.pipeline_parallel.stages import pipelined
 
 PROVENANCE = "gradient_merge"
@@ -123,6 +124,12 @@ class GradientMerge:
         if pipelined(program, config):
             report.skipped_reason = (f"pipeline: each stage keeps its gradient sums over {k_steps} step() calls and "
                                      "updates on the last (k_steps multiplies the update interval; pipeline_split)")
+            return program, report
+        ps = ps_metadata(program)
+        if ps is not None and ps["mode"] != "geo":
+            report.skipped_reason = (f"parameter-server {ps['mode']} mode: the servers run the update, so the "
+                                     f"worker's ps_push merges the gradients and sends them every {k_steps} steps "
+                                     "(parameter_server pass)")
             return program, report
         block = program.global_block
         update = update_op_indices(program, block)

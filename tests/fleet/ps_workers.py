@@ -22,17 +22,33 @@ PS_OPTIMIZERS = {
 }
 
 
+class BagCTR(nn.Module):
+    """CTR with two tables: the mean of every field's row in an nn.EmbeddingBag, and the first field's row in an
+    nn.Embedding."""
+
+    def __init__(self, rows: int = 100_000, dim: int = 16):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(rows, dim, mode="mean")
+        self.embedding = nn.Embedding(rows, dim)
+        self.fc = nn.Linear(2 * dim, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.cat([self.bag(ids), self.embedding(ids[:, 0])], dim=1)).squeeze(1)
+
+
 def make_model(config: dict) -> tuple[nn.Module, object]:
     torch.manual_seed(0)
     if config["model"] == "ctr":
         return CTR(rows=config.get("rows", 100_000)), CTR_ENTRY
+    if config["model"] == "bag":
+        return BagCTR(), CTR_ENTRY
     return MLP(), ZOO["mlp"]
 
 
 def batches(config: dict, steps: int) -> list:
     """The global batches: the same on every worker and in the single-process reference."""
     g = torch.Generator().manual_seed(config.get("seed", 1))
-    entry = CTR_ENTRY if config["model"] == "ctr" else ZOO["mlp"]
+    entry = ZOO["mlp"] if config["model"] == "mlp" else CTR_ENTRY
     return [entry.make_batch(g)[0] for _ in range(steps)]
 
 
@@ -42,7 +58,15 @@ def make_strategy(config: dict) -> fleetc.DistributedStrategy:
     strategy.a_sync_configs = {"k_steps": config.get("k_steps", 0)}
     if config.get("thread_barrier"):
         strategy.execution_strategy.use_thread_barrier = True
+    if config.get("gradient_merge"):
+        strategy.gradient_merge = True
+        strategy.gradient_merge_configs = {"k_steps": config["gradient_merge"], "avg": True}
+    strategy.amp = bool(config.get("amp"))
     return strategy
+
+
+def grad_clip(config: dict) -> fleetc.ClipGradByGlobalNorm | None:
+    return fleetc.ClipGradByGlobalNorm(config["clip"]) if config.get("clip") else None
 
 
 def _die_after_setup() -> None:
@@ -66,7 +90,7 @@ def train(rank: int, config: dict, out_dir: str) -> None:
         fleet.run_server()
         return
     fleet.init_worker()
-    trainer = fleet.distributed_model(model, loss_fn=entry.loss_fn, verify=True)
+    trainer = fleet.distributed_model(model, loss_fn=entry.loss_fn, verify=True, grad_clip=grad_clip(config))
     me, workers = fleet.worker_index(), fleet.worker_num()
     losses = []
     start = config.get("start", 0)

@@ -14,8 +14,8 @@ from zoo import CTR, CTR_ENTRY
 
 import fleetc
 import fleetc.fleet as fleet
-from fleet.ps_workers import PS_OPTIMIZERS, batches, make_model
-from fleet.spawn import start_ps
+from fleet.ps_jobs import ps_program, reference_run, run_jobs, worker_results
+from fleet.ps_workers import PS_OPTIMIZERS, batches
 from fleetc.comm.ps.placement import place
 from fleetc.comm.ps.role import role_from_ps_environment
 from fleetc.comm.ps.rules import dense_update, new_state, optimizer_spec, sparse_update
@@ -143,20 +143,8 @@ def test_unsupported_optimizer_is_a_clear_error():
         optimizer_spec(torch.optim.RMSprop([nn.Parameter(torch.zeros(1))]))
 
 
-def _captured(model: nn.Module, mode: str, kind: str = "train") -> fleetc.ir.program.Program:
-    trainer = fleetc.compile(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                             loss_fn=CTR_ENTRY.loss_fn, verify=True)
-    ids, labels = CTR_ENTRY.make_batch(torch.Generator().manual_seed(0))[0]
-    trainer.step(ids[:8] % 50, labels[:8])
-    program = trainer.history[0].program.clone()
-    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    program.metadata["parameter_server"] = {"mode": mode, "k_steps": 2, "use_thread_barrier": False, "lr": 0.1,
-                                            "placement": place(shapes, embedding_tables(model), 2).to_data()}
-    return program
-
-
 def test_rewrite_pulls_rows_and_pushes_gradients():
-    program = _captured(CTR(rows=50), "sync")
+    program = ps_program(CTR(rows=50), "sync")
     rewritten, report = ParameterServerRewrite().run(program, None)
     verify(rewritten, after_pass="parameter_server")
     types = [op.type for op in rewritten.global_block.ops]
@@ -171,12 +159,19 @@ def test_rewrite_pulls_rows_and_pushes_gradients():
 
 
 def test_geo_rewrite_keeps_local_training_and_syncs():
-    program = _captured(CTR(rows=50), "geo")
+    program = ps_program(CTR(rows=50), "geo")
     rewritten, report = ParameterServerRewrite().run(program, None)
     verify(rewritten, after_pass="parameter_server")
     types = [op.type for op in rewritten.global_block.ops]
     assert "fleetc.sgd" in types and types[-1] == "fleetc.ps_geo_sync" and "fleetc.ps_geo_note_rows" in types
     assert report.stats["geo_synced_params"] == 5
+    # the table's rows are updated lazily, as on the servers: no dense table gradient, no dense table update
+    update = rewritten.global_block.ops[-2]
+    assert update.type == "fleetc.ps_geo_update_rows" and update.outputs == ["embedding.weight"]
+    assert "aten.embedding_dense_backward.default" not in types and "embedding.weight@GRAD" not in rewritten.global_block.vars
+    assert [op.attrs["param"] for op in rewritten.global_block.ops if op.type == "fleetc.sgd"] == [
+        "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+    assert report.stats["tables_updated_lazily"] == 1
 
 
 def test_table_read_outside_a_lookup_is_refused():
@@ -190,57 +185,16 @@ def test_table_read_outside_a_lookup_is_refused():
 
     with pytest.raises(PassError, match=r"reads the embedding table 'embedding.weight'; .* only be used through "
                                         r"nn.Embedding lookups"):
-        ParameterServerRewrite().run(_captured(Tied(), "sync"), None)
+        ParameterServerRewrite().run(ps_program(Tied(), "sync"), None)
 
 
 # ----- jobs --------------------------------------------------------------------------------------
-def reference_run(config: dict, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Single-process training on the global batches with the update rule the servers run (SparseAdam for a table
-    under Adam)."""
-    model, entry = make_model(config)
-    if config["opt"] == "adam" and config["model"] == "ctr":
-        model.embedding.sparse = True
-        dense = [p for n, p in model.named_parameters() if n != "embedding.weight"]
-        optimizers = [torch.optim.SparseAdam([model.embedding.weight], lr=1e-2), PS_OPTIMIZERS["adam"](dense)]
-    else:
-        optimizers = [PS_OPTIMIZERS[config["opt"]](model.parameters())]
-    losses = []
-    for args in batches(config, steps):
-        for optimizer in optimizers:
-            optimizer.zero_grad()
-        loss = entry.loss_fn(model(args[0]), args[1])
-        loss.backward()
-        for optimizer in optimizers:
-            optimizer.step()
-        losses.append(float(loss.detach()))
-    return losses, {k: v.detach() for k, v in model.state_dict().items()}
-
-
-def run_jobs(tmp_path, jobs: dict[str, tuple[int, int, dict]], deadline_s: float = 180,
-             parallel: bool = False) -> dict[str, list]:
-    """Run the jobs (`parallel`: all started at once, overlapping their start-up); per job, every process's
-    RankResult. A process still running at its deadline is killed, after dumping its threads' stacks."""
-    def begin(name: str) -> object:
-        servers, workers, config = jobs[name]
-        config = {"timeout": 30, "dump_after_s": deadline_s - 30, **config}
-        return start_ps(servers, workers, "train", config, tmp_path / name, deadline_s)
-    if parallel:
-        started = {name: begin(name) for name in jobs}
-        return {name: job.collect() for name, job in started.items()}
-    return {name: begin(name).collect() for name in jobs}
-
-
-def worker_results(tmp_path, name: str, ranks: list, workers: int) -> list[dict]:
-    for r in ranks:
-        assert r.returncode == 0, f"{name}: process {r.rank} exited with {r.returncode}:\n{r.output[-3000:]}"
-    return [torch.load(tmp_path / name / f"worker{i}.pt", weights_only=False) for i in range(workers)]
-
-
 STEPS = 4
 SYNC_JOBS = {
     "ctr_sgd": (2, 2, {"model": "ctr", "opt": "sgd", "steps": STEPS, "save": "CKPT"}),
     "ctr_adam": (2, 2, {"model": "ctr", "opt": "adam", "steps": STEPS}),
     "mlp_adagrad": (2, 2, {"model": "mlp", "opt": "adagrad", "steps": STEPS}),
+    "bag_adagrad": (2, 2, {"model": "bag", "opt": "adagrad", "steps": STEPS}),  # nn.EmbeddingBag + nn.Embedding
 }
 if os.environ.get("FLEETC_FULL"):
     SYNC_JOBS["ctr_adagrad"] = (2, 2, {"model": "ctr", "opt": "adagrad", "steps": STEPS})

@@ -12,7 +12,8 @@ from fleetc.comm.ps import server as handlers
 from fleetc.comm.ps.placement import Placement
 from fleetc.comm.ps.role import PsRole
 from fleetc.comm.ps.rpc import ParameterServerError, call_all
-from fleetc.comm.ps.server import coalesce
+from fleetc.comm.ps.rules import new_state, sparse_update
+from fleetc.comm.ps.server import Pushes, accumulate, coalesce
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -32,6 +33,10 @@ class Client:
         self.stats: Counter = Counter()
         self.snapshot: dict[str, torch.Tensor] = {}  # geo: the values at the last sync
         self.touched: dict[str, set] = {}  # geo: table rows trained locally since the last sync
+        self.merged = Pushes()  # gradient merge: the gradients of the steps since the last push
+        self.spec: dict[str, Any] = {}  # the update rule (geo: the worker's lazy table rows use it too)
+        self.row_state: dict[str, dict[str, torch.Tensor]] = {}  # geo: the optimizer state of local table rows
+        self.merge_calls = 0
 
     def _servers(self) -> list[str]:
         return [f"server{s}" for s in range(self.role.server_num)]
@@ -62,7 +67,7 @@ class Client:
         if self.placement is not None:
             raise ParameterServerError("this worker already registered a model with the servers; a parameter-server "
                                        "job trains one model (build one trainer per job)")
-        self.placement, self.mode, self.k_steps = placement, mode, k_steps
+        self.placement, self.mode, self.k_steps, self.spec = placement, mode, k_steps, spec
         me = self.role.index
         if me == 0:
             shards = [{**{n: values[n].detach() for n in placement.dense_on(s)},
@@ -109,10 +114,20 @@ class Client:
         return gathered[inverse].reshape(*ids.shape, dim)
 
     def push(self, dense: dict[str, torch.Tensor], sparse: dict[str, tuple[torch.Tensor, torch.Tensor]],
-             lr: float) -> None:
+             lr: float, merge_steps: int = 1, merge_avg: bool = True) -> None:
         """Send one step's gradients: dense ones to their server, table row gradients (ids, grads) to the servers
         holding the rows. Returns when the servers let this worker go on (sync: all workers pushed and the update
-        is applied)."""
+        is applied). With gradient merge (`merge_steps` k > 1) only every k-th call sends: the sum of the k steps'
+        gradients (divided by k with `merge_avg`), with that call's learning rate; the others only add to it."""
+        if merge_steps > 1:
+            self.merge_calls += 1
+            accumulate(self.merged, dense, sparse, lr)
+            if self.merge_calls % merge_steps:
+                return
+            scale = 1.0 / merge_steps if merge_avg else 1.0
+            dense = {name: grad * scale for name, grad in self.merged.dense.items()}
+            sparse = {table: (ids, grads * scale) for table, (ids, grads) in self.merged.rows.items()}
+            self.merged = Pushes()
         self.steps += 1
         count = self.placement.server_num
         per_server: list[tuple[dict, dict]] = [({}, {}) for _ in range(count)]
@@ -131,10 +146,21 @@ class Client:
     # ----- geo -------------------------------------------------------------------------------
     def geo_start(self, params: dict[str, torch.Tensor]) -> None:
         """Geo: take the servers' values as the local starting point."""
-        self.geo_pull(params, full=True)
+        self.geo_pull(params, None)
 
     def geo_note_rows(self, table: str, ids: torch.Tensor) -> None:
         self.touched.setdefault(table, set()).update(torch.unique(ids).tolist())
+
+    def geo_update_rows(self, tables: dict[str, torch.Tensor], sparse: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                        lr: float) -> None:
+        """Geo: the worker's own lazy update of the rows its lookups trained (the servers' row rule), in place."""
+        with torch.no_grad():
+            for table, (ids, grads) in sparse.items():
+                rows, grads = coalesce(ids, grads)
+                state = self.row_state.get(table)
+                if state is None:
+                    state = self.row_state[table] = new_state(self.spec, tables[table], table=True)
+                sparse_update(self.spec, tables[table], rows, grads, state, float(lr))
 
     def geo_step(self, params: dict[str, torch.Tensor]) -> bool:
         """Count a local step; every k-th, push the deltas since the last sync and pull the servers' values."""
@@ -147,8 +173,8 @@ class Client:
             delta = params[name] - self.snapshot[name]
             per_server[server][0][name] = delta
             self.stats["push_dense_bytes"] += _nbytes(delta)
-        for table in self.placement.tables:
-            ids = torch.tensor(sorted(self.touched.get(table, ())), dtype=torch.long)
+        rows = {table: self._geo_rows(table, params[table]) for table in self.placement.tables}
+        for table, ids in rows.items():
             delta = params[table][ids] - self.snapshot[table][ids]
             for s in range(count):
                 mine = ids % count == s
@@ -156,18 +182,36 @@ class Client:
                 self.stats["push_sparse_bytes"] += _nbytes(delta[mine])
         self._call(handlers.handle_push, [(self.role.index, self.steps, d, r, 0.0) for d, r in per_server],
                    f"the geo push of step {self.steps}")
-        self.geo_pull(params, full=False)
+        self.geo_pull(params, rows)
         return True
 
-    def geo_pull(self, params: dict[str, torch.Tensor], full: bool) -> None:
+    def _geo_rows(self, table: str, local: torch.Tensor) -> torch.Tensor:
+        """The rows of a table a geo sync pushes and pulls: those the batches since the last sync looked up, and
+        those the local update changed. A table updated lazily (geo_update_rows) changed only the rows looked up;
+        a dense local update can change others (gradient merge applies earlier batches' gradients, momentum keeps
+        moving rows), found by comparing the whole table with the last sync's values."""
+        noted = torch.tensor(sorted(self.touched.get(table, ())), dtype=torch.long)
+        if table in self.row_state:
+            return noted
+        changed = (local != self.snapshot[table]).any(dim=1).nonzero().flatten()
+        return torch.unique(torch.cat([noted, changed]))
+
+    def geo_pull(self, params: dict[str, torch.Tensor], rows: dict[str, torch.Tensor] | None) -> None:
+        """Take the servers' dense values and the table `rows` (every row when None), and remember them as the
+        next sync's starting point (the other table rows did not change since the last one)."""
         dense = list(self.placement.dense)
         self.pull_dense([params[n] for n in dense], dense)
-        for table, (rows, _) in self.placement.tables.items():
-            ids = torch.arange(rows) if full else torch.tensor(sorted(self.touched.get(table, ())), dtype=torch.long)
+        for name in dense:
+            self.snapshot[name] = params[name].detach().clone()
+        for table, (count, _) in self.placement.tables.items():
+            ids = torch.arange(count) if rows is None else rows[table]
             if len(ids):
                 params[table][ids] = self.pull_rows(table, ids)
+            if rows is None:
+                self.snapshot[table] = params[table].detach().clone()
+            else:
+                self.snapshot[table][ids] = params[table][ids]
         self.touched = {}
-        self.snapshot = {n: t.detach().clone() for n, t in params.items()}
 
     # ----- checkpoints and leaving ----------------------------------------------------------
     def gather(self) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:

@@ -21,10 +21,9 @@ def ps_pull_sparse(ids: torch.Tensor, table: str) -> torch.Tensor:
     return client().pull_rows(table, ids)
 
 
-@register_op("ps_push", "send the step's dense gradients and table row gradients (ids, rows) to the servers; "
-             "returns when the servers let the worker go on (sync: when every worker pushed and the update ran)")
-def ps_push(lr: float, dense_grads: list, dense_names: list, ids: list, row_grads: list, tables: list,
-            padding_idx: list) -> None:
+def _row_grads(ids: list, row_grads: list, tables: list, padding_idx: list
+               ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each table's (ids, row gradients), its lookups' concatenated, without rows at padding_idx."""
     sparse: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for table, index, grad, padding in zip(tables, ids, row_grads, padding_idx):
         index = index.reshape(-1)
@@ -35,7 +34,24 @@ def ps_push(lr: float, dense_grads: list, dense_names: list, ids: list, row_grad
         if table in sparse:
             index, grad = torch.cat([sparse[table][0], index]), torch.cat([sparse[table][1], grad])
         sparse[table] = (index, grad)
-    client().push(dict(zip(dense_names, dense_grads)), sparse, lr)
+    return sparse
+
+
+@register_op("ps_push", "send the step's dense gradients and table row gradients (ids, rows) to the servers; "
+             "returns when the servers let the worker go on (sync: when every worker pushed and the update ran); "
+             "with merge_steps k > 1 (gradient merge) only every k-th step sends, the mean (merge_avg) or sum of the "
+             "k steps' gradients")
+def ps_push(lr: float, dense_grads: list, dense_names: list, ids: list, row_grads: list, tables: list,
+            padding_idx: list, merge_steps: int = 1, merge_avg: bool = True) -> None:
+    client().push(dict(zip(dense_names, dense_grads)), _row_grads(ids, row_grads, tables, padding_idx), lr,
+                  merge_steps, merge_avg)
+
+
+@register_op("ps_geo_update_rows", "geo: update the table rows this step's lookups trained, with the servers' lazy "
+             "row rule and optimizer state kept on the worker (in place), instead of a dense table update")
+def ps_geo_update_rows(lr: float, params: list, names: list, ids: list, row_grads: list, tables: list,
+                       padding_idx: list) -> None:
+    client().geo_update_rows(dict(zip(names, params)), _row_grads(ids, row_grads, tables, padding_idx), lr)
 
 
 @register_op("ps_geo_note_rows", "geo: remember the table rows this batch trains locally (sent at the next sync)")

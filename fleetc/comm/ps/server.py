@@ -26,8 +26,9 @@ SYNC, ASYNC, GEO = "sync", "async", "geo"
 
 
 @dataclass
-class _Step:
-    """Pushes of one step collected so far (sync: summed; others: only counted, for the barrier)."""
+class Pushes:
+    """Pushes of one step collected so far (sync: summed; others: only counted, for the barrier); on a worker under
+    gradient merge, its own gradients since the last push."""
 
     arrived: set = field(default_factory=set)
     futures: list = field(default_factory=list)
@@ -52,8 +53,8 @@ class Server:
         self.dense: dict[str, torch.Tensor] = {}
         self.tables: dict[str, torch.Tensor] = {}
         self.state: dict[str, dict] = {}
-        self.steps: dict[int, _Step] = {}
-        self.barriers: dict[int, _Step] = {}
+        self.steps: dict[int, Pushes] = {}
+        self.barriers: dict[int, Pushes] = {}
         self.stopped: set[int] = set()
         self.done = threading.Event()
         self.last_seen: dict[int, float] = {}
@@ -124,13 +125,13 @@ class Server:
                 if not self.thread_barrier:
                     answer.set_result(None)
                     return answer
-            pending = self.steps.setdefault(step, _Step())
+            pending = self.steps.setdefault(step, Pushes())
             if worker in pending.arrived:
                 raise ParameterServerError(f"worker {worker} pushed step {step} twice")
             pending.arrived.add(worker)
             pending.futures.append(answer)
             if self.mode == SYNC:
-                _accumulate(pending, dense, rows, lr)
+                accumulate(pending, dense, rows, lr)
             if len(pending.arrived) < self.role.worker_num:
                 return answer
             del self.steps[step]
@@ -162,7 +163,7 @@ class Server:
         self.seen(worker)
         answer: Future = Future()
         with self.lock:
-            pending = self.barriers.setdefault(count, _Step())
+            pending = self.barriers.setdefault(count, Pushes())
             pending.arrived.add(worker)
             pending.futures.append(answer)
             if len(pending.arrived) < self.role.worker_num:
@@ -203,7 +204,8 @@ def coalesce(index: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, t
     return unique, values.new_zeros(len(unique), values.shape[1]).index_add_(0, inverse, values)
 
 
-def _accumulate(pending: _Step, dense: dict, rows: dict, lr: float) -> None:
+def accumulate(pending: Pushes, dense: dict, rows: dict, lr: float) -> None:
+    """Add one push to `pending`: dense gradients summed, table row gradients (ids, grads) appended; the latest lr."""
     pending.lr = lr
     for name, grad in dense.items():
         pending.dense[name] = pending.dense[name] + grad if name in pending.dense else grad
