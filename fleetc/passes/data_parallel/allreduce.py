@@ -2,7 +2,8 @@
 
 Runs only in data-parallel Programs (`metadata["data_parallel"]`, stamped by fleet's trainer). The
 producer's result is renamed `<param>@GRAD@LOCAL`; the allreduce's wait defines `<param>@GRAD`
-again, so the optimizer ops and fetches read the averaged gradient without being touched.
+again, so the optimizer ops and fetches read the averaged gradient without being touched. Under AMP the
+gradient averaged is the float32 cast of a low-precision gradient (`<param>@GRAD@FP32`).
 Communicator groups the Program uses are listed in `metadata["collective_groups"]`. Under gradient
 merge the accumulators are allreduced in its update block instead (allreduce_merged.py).
 """
@@ -19,6 +20,7 @@ from fleetc.ir.program import Op, OpRole, Program, Ref, Var, VarKind
 from fleetc.passes.base import PassReport
 from fleetc.passes.data_parallel.common import (
     ALLOC,
+    AMP_CAST,
     GRAD_SUFFIX,
     LOCAL_SUFFIX,
     SINGLE_PROCESS,
@@ -49,6 +51,20 @@ def gradient_vars(program: Program) -> list[str]:
             if param is not None and param.kind is VarKind.PARAM and block.vars[name].kind is VarKind.TEMP:
                 grads.append(name)
     return grads
+
+
+def full_precision_gradients(program: Program, grads: list[str]) -> dict[str, str]:
+    """For each gradient, the Var the ranks average: the gradient itself, or under AMP (O1) its cast to the
+    parameter's dtype. A float32 parameter's gradient is summed in float32, as Paddle and torch DDP do; summing
+    the bfloat16 one loses precision that only Paddle's `fp16_allreduce` opts into."""
+    block = program.global_block
+    targets = {}
+    for grad in grads:
+        param_dtype = program.var(grad.removesuffix(GRAD_SUFFIX)).dtype
+        cast = next((op.outputs[0] for op in block.ops if op.type == AMP_CAST and op.args[0] == Ref(grad)
+                     and block.vars[op.outputs[0]].dtype == param_dtype), None)
+        targets[grad] = cast if block.vars[grad].dtype != param_dtype and cast is not None else grad
+    return targets
 
 
 def allreduce_ops(program: Program, grads: list[str], comm: int, algorithm: str, label: str,
@@ -106,7 +122,8 @@ class InsertAllreduce:
         algorithm = algorithm_for(config, world)
         block = program.global_block
         grads = gradient_vars(program)
-        production_index = {g: i for i, g in enumerate(grads)}
+        targets = full_precision_gradients(program, grads)
+        production_index = {targets[g]: i for i, g in enumerate(grads)}
         merged = merged_values(program)  # gradient merge: its accumulators are allreduced instead, once per k steps
         per_step = {} if merged else production_index
         ops = []
@@ -119,7 +136,7 @@ class InsertAllreduce:
                 op.outputs = [local.name if o == grad else o for o in op.outputs]
             for grad in produced:
                 comm = production_index[grad] % config.nccl_comm_num
-                ops.extend(allreduce_ops(program, [grad], comm, algorithm, grad.removesuffix(GRAD_SUFFIX),
+                ops.extend(allreduce_ops(program, [grad], comm, algorithm, grad.partition(GRAD_SUFFIX)[0],
                                           self.name))
                 report.count("allreduces")
         block.ops = ops
