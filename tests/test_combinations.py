@@ -137,12 +137,12 @@ def _check_amp_against_merged_shards(results, index: int, config: dict) -> None:
     losses, state = _merged_over_shards(config, runs[0]["initial"])
     for step in range(config["steps"]):
         got = sum(run["losses"][step] for run in runs) / _WORLD
-        torch.testing.assert_close(got, losses[step], rtol=1e-5, atol=1e-6, msg=lambda m: f"loss of step {step}: {m}")
+        torch.testing.assert_close(got, losses[step], rtol=1e-5, atol=1e-6, msg=lambda m, step=step: f"loss of step {step}: {m}")
     for name, want in state.items():
         if "running" in name or "num_batches" in name:  # merge ran each shard's BatchNorm; each rank ran one
             continue
         for run in runs:
-            torch.testing.assert_close(run["state"][name], want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(run["state"][name], want, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def _check_data_parallel(model: str, names: list[str], tmp_path) -> None:
