@@ -101,10 +101,10 @@ def test_ci_pairs_on_gpt(pair):
 
 
 @pytest.mark.skipif(not os.environ.get("FLEETC_FULL"), reason="every pair of options: FLEETC_FULL=1")
-@pytest.mark.parametrize("model", ["gpt", "cnn"])
-def test_every_pair(model):
-    for pair in _pairs(model):
-        _check(model, pair)
+@pytest.mark.parametrize(("model", "pair"), [(model, pair) for model in ("gpt", "cnn") for pair in _pairs(model)],
+                         ids=lambda value: "+".join(value) if isinstance(value, tuple) else value)
+def test_every_pair(model, pair):
+    _check(model, pair)
 
 
 # ----- data parallel on 2 gloo processes --------------------------------------------------------------------------
