@@ -114,7 +114,8 @@ _WORLD = 2
 def _dp_config(model: str, name: str) -> dict:
     """Momentum SGD, not AdamW: gpt's key bias has a gradient that is zero but for rounding, which differs between
     an allreduce and one process's sum, and Adam's normalization turns that 1e-9 into a parameter difference."""
-    return {"zoo": model, "optimizer": "momentum", "steps": 4, "dropout_off": True, "strategy": _settings(model, (name,))}
+    return {"zoo": model, "optimizer": "momentum", "steps": 4, "dropout_off": True,
+            "strategy": _settings(model, (name,))}
 
 
 def _merged_over_shards(config: dict, initial: dict) -> tuple[list, dict]:
@@ -137,12 +138,14 @@ def _check_amp_against_merged_shards(results, index: int, config: dict) -> None:
     losses, state = _merged_over_shards(config, runs[0]["initial"])
     for step in range(config["steps"]):
         got = sum(run["losses"][step] for run in runs) / _WORLD
-        torch.testing.assert_close(got, losses[step], rtol=1e-5, atol=1e-6, msg=lambda m, step=step: f"loss of step {step}: {m}")
+        torch.testing.assert_close(got, losses[step], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, step=step: f"loss of step {step}: {m}")
     for name, want in state.items():
         if "running" in name or "num_batches" in name:  # merge ran each shard's BatchNorm; each rank ran one
             continue
         for run in runs:
-            torch.testing.assert_close(run["state"][name], want, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+            torch.testing.assert_close(run["state"][name], want, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, name=name: f"{name}: {m}")
 
 
 def _check_data_parallel(model: str, names: list[str], tmp_path) -> None:
