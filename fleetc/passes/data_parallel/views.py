@@ -154,7 +154,7 @@ class AllreduceViews:
             for k, grad in enumerate(grads):
                 slot = bucket.slot_for(grad)
                 if isinstance(slot, str):
-                    copied.setdefault(slot, []).append(grad.partition(GRAD_SUFFIX)[0])
+                    copied.setdefault(slot, []).append(grad.removesuffix(GRAD_SUFFIX + LOCAL_SUFFIX))
                 else:
                     before.setdefault(slot.producer.name, []).append(self._write_into(program, slot, flat, grad,
                                                                                       offset))
