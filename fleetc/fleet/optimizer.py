@@ -24,6 +24,9 @@ _NEEDS_COMPILE = {
 }
 
 
+MERGE_KEY = "fleetc_gradient_merge"  # eager gradient merge's accumulators in state_dict()
+
+
 class DistributedOptimizer:
     """Wraps a torch optimizer for data-parallel training.
 
@@ -43,7 +46,7 @@ class DistributedOptimizer:
         self.strategy = strategy
         self.fleet = fleet  # the Fleet that made it: it builds the trainer
         self._merged: dict[torch.Tensor, torch.Tensor] = {}  # eager gradient merge: parameter -> summed grads
-        self._micro_steps = 0
+        self._micro_steps = 0  # micro-steps merged since the last update
 
     def compile_trainer(self, model: Any, strategy: Any = None, **compile_options: Any) -> Any:
         """What `fleetc.compile(model, optimizer=this)` returns: the Fleet's data-parallel trainer."""
@@ -88,11 +91,11 @@ class DistributedOptimizer:
                     total = self._merged.get(p)
                     self._merged[p] = p.grad.detach().clone() if total is None else total.add_(p.grad)
         self._micro_steps += 1
-        if self._micro_steps % merge.k_steps:
+        if self._micro_steps < merge.k_steps:
             return False
         for p, total in self._merged.items():
             p.grad = total.div_(merge.k_steps) if merge.avg else total
-        self._merged = {}
+        self._merged, self._micro_steps = {}, 0
         return True
 
     def _average_grads(self) -> None:
@@ -123,7 +126,20 @@ class DistributedOptimizer:
             group["lr"] = float(value)
 
     def state_dict(self) -> dict:
-        return self.inner.state_dict()
+        """The torch optimizer's state dict; mid-accumulation under eager gradient merge, also its accumulators
+        (keyed by parameter index, as torch keys the optimizer state) and micro-step count under `MERGE_KEY`."""
+        state = self.inner.state_dict()
+        if self._micro_steps:
+            index = {id(p): i for i, p in enumerate(p for g in self.inner.param_groups for p in g["params"])}
+            state[MERGE_KEY] = {"micro_steps": self._micro_steps,
+                                "accumulators": {index[id(p)]: total.clone() for p, total in self._merged.items()}}
+        return state
 
     def set_state_dict(self, state_dict: dict) -> None:
+        """Restore what `state_dict` returned; a state saved with no accumulation under way starts a fresh one."""
+        state_dict = dict(state_dict)
+        merge = state_dict.pop(MERGE_KEY, {"micro_steps": 0, "accumulators": {}})
         self.inner.load_state_dict(state_dict)
+        params = [p for g in self.inner.param_groups for p in g["params"]]
+        self._micro_steps = merge["micro_steps"]
+        self._merged = {params[i]: total.to(params[i].device, copy=True) for i, total in merge["accumulators"].items()}

@@ -161,6 +161,21 @@ class Choice(Kind):
         return self.check(str(value) if isinstance(value, Word) else value, path)
 
 
+class Text(Kind):
+    """Free text (a path, a device name); prototxt writes it quoted."""
+
+    def describe(self) -> str:
+        return "a string"
+
+    def check(self, value: Any, path: str) -> str:
+        if not isinstance(value, str):
+            raise _type_error(path, self.describe(), value)
+        return str(value)
+
+    def to_text(self, value: str) -> list[str]:
+        return [quote(value)]
+
+
 @dataclass(frozen=True)
 class Nullable(Kind):
     """``None`` (not set; never written to prototxt) or a value of the inner kind."""

@@ -2,10 +2,12 @@
 
 They are in the field table with Paddle's defaults so that a prototxt or dict Paddle wrote loads (instead of being
 refused as unknown names); names Paddle does not have still get the strict did-you-mean error. A value other than
-the default is reported by ``report()`` as not applied (fleetc.passes.order). Not covered: the free-text fields
-(``qat_configs.algo``, ``a_sync_configs.heter_worker_device_guard``, ``build_strategy.debug_graphviz_path``) and the
-nested or parameter-server messages (``hybrid_configs.mp_configs`` / ``pp_configs`` / ``sharding_configs``,
-``recompute_configs.refined_ops_patterns``, ``trainer_desc_configs``, ``downpour_table_param``, ``fs_client_param``).
+the default is reported by ``report()`` as not applied (fleetc.passes.order). The free-text fields
+(``qat_configs.algo``, ``a_sync_configs.heter_worker_device_guard``, ``build_strategy.debug_graphviz_path``) are
+strings; the nested and parameter-server messages (``hybrid_configs.mp_configs`` / ``pp_configs`` /
+``sharding_configs``, ``recompute_configs.refined_ops_patterns``, ``trainer_desc_configs``,
+``downpour_table_param``, ``fs_client_param``) are kept as data without checking their inner names
+(fleetc.strategy.messages).
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from fleetc.strategy.field_types import (
     Section,
     flag,
 )
-from fleetc.strategy.kinds import Bounds, Choice, Int, ListOf
+from fleetc.strategy.kinds import Bounds, Choice, Int, ListOf, Text
+from fleetc.strategy.messages import Message, MessageValue
 
+TEXT = Text()
 _FROM = Int(Bounds(ge=-1))  # -1 means "not set" in these Paddle fields
 
 # Extra fields of sections fleetc already has: section name -> fields.
@@ -40,8 +44,12 @@ EXTRA_SECTION_FIELDS: dict[str, tuple[Field, ...]] = {
         Field("lr_decay_steps", COUNT, 10, "Paddle: learning-rate decay interval"),
         Field("use_ps_gpu", SIZE, 0, "Paddle: GPU parameter server"),
         Field("use_gpu_graph", SIZE, 0, "Paddle: GPU graph engine"),
+        Field("heter_worker_device_guard", TEXT, "cpu", "Paddle: device of heterogeneous parameter-server workers"),
     ),
-    "recompute_configs": (flag("enable_tuning", "Paddle: auto-parallel recompute tuning"),),
+    "recompute_configs": (
+        flag("enable_tuning", "Paddle: auto-parallel recompute tuning"),
+        Field("refined_ops_patterns", Message(repeated=True), (), "Paddle: ops excluded from recompute, by pattern"),
+    ),
     "amp_configs": (
         flag("use_optimizer_fp16", "Paddle: keep optimizer state in fp16 (auto parallel only)"),
         flag("use_pure_bf16", "Paddle: pure bf16 training (fleetc: use_pure_fp16 with dtype bfloat16)"),
@@ -65,6 +73,9 @@ EXTRA_SECTION_FIELDS: dict[str, tuple[Field, ...]] = {
     "hybrid_configs": (
         Field("sep_degree", COUNT, 1, "Paddle: sequence-parallel degree"),
         flag("enable_optimizer_timer", "Paddle: time the optimizer step"),
+        Field("mp_configs", Message(), MessageValue(), "Paddle: tensor-parallel settings"),
+        Field("pp_configs", Message(), MessageValue(), "Paddle: dygraph pipeline settings"),
+        Field("sharding_configs", Message(), MessageValue(), "Paddle: dygraph sharding settings"),
     ),
     "pipeline_configs": (
         flag("p2p_cache_shape", "Paddle: cache the shapes of pipeline send/recv", True),
@@ -78,6 +89,7 @@ EXTRA_SECTION_FIELDS: dict[str, tuple[Field, ...]] = {
         flag("fused_feedforward", "Paddle: fuse the transformer feed-forward block"),
         flag("fuse_dot_product_attention", "Paddle: fuse dot-product attention"),
         flag("fuse_resunit", "Paddle: fuse ResNet residual units"),
+        Field("debug_graphviz_path", TEXT, "", "Paddle: write the graph as graphviz files under this path"),
     ),
 }
 
@@ -114,6 +126,7 @@ EXTRA_ENTRIES: tuple[FieldOrSection, ...] = (
         Field("weight_bits", COUNT, 8, "Paddle: weight quantization bits"),
         Field("activation_bits", COUNT, 8, "Paddle: activation quantization bits"),
         Field("not_quant_pattern", NAMES, (), "Paddle: name patterns left unquantized"),
+        Field("algo", TEXT, "", "Paddle: the quantization algorithm"),
     ), "Paddle: quantization-aware training settings"),
     flag("split_data", "Paddle: split the data across parameter-server workers", True),
     Section("gradient_scale_configs", (
@@ -121,6 +134,9 @@ EXTRA_ENTRIES: tuple[FieldOrSection, ...] = (
               "Paddle: how the loss gradient is scaled across devices"),
         flag("scale_gradient", "Paddle: scale after gradient merge instead of before"),
     ), "Paddle: gradient scaling settings"),
+    Field("trainer_desc_configs", Message(), MessageValue(), "Paddle: parameter-server trainer dump settings"),
+    Field("downpour_table_param", Message(repeated=True), (), "Paddle: parameter-server table settings"),
+    Field("fs_client_param", Message(), MessageValue(), "Paddle: parameter-server file-system client settings"),
 )
 
 

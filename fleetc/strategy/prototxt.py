@@ -15,6 +15,7 @@ from typing import Any
 
 from fleetc.errors import StrategyError
 from fleetc.strategy.fields import Field
+from fleetc.strategy.messages import Message
 from fleetc.strategy.schema import Record, Schema
 from fleetc.strategy.textformat import Entry, parse
 
@@ -38,6 +39,8 @@ def render(record: Record) -> str:
 def _field_lines(field: Field, path: str, record: Record, written: set[str], indent: str) -> list[str]:
     if path not in written:
         return []
+    if isinstance(field.kind, Message):
+        return field.kind.block_lines(field.name, record.values[path], indent)
     return [f"{indent}{field.name}: {text}" for text in field.kind.to_text(record.values[path])]
 
 
@@ -63,6 +66,8 @@ def _paths(schema: Schema, entry: Entry, source: str) -> list[tuple[str, Entry]]
     with _at(source, entry.line):
         target = schema.entry(entry.name)
     if isinstance(target, Field):
+        if isinstance(target.kind, Message):
+            return [(entry.name, _block(entry))]
         if entry.children is not None:
             raise StrategyError(f"{source}:{entry.line}: {entry.name} takes a value ('{entry.name}: ...'), "
                                 "not a { } block")
@@ -73,10 +78,18 @@ def _paths(schema: Schema, entry: Entry, source: str) -> list[tuple[str, Entry]]
     for child in entry.children:
         with _at(source, child.line):
             path = schema.path(target, child.name)
+        if isinstance(schema.fields[path].kind, Message):
+            pairs.append((path, _block(child)))
+            continue
         if child.children is not None:
             raise StrategyError(f"{source}:{child.line}: {path} takes a value, not a {{ }} block")
         pairs.append((path, child))
     return pairs
+
+
+def _block(entry: Entry) -> Entry:
+    """A message field's entry with its block as the value (the scalar itself when it has none: refused later)."""
+    return Entry(entry.name, entry.line, entry.children if entry.children is not None else entry.value)
 
 
 @contextmanager

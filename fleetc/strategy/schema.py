@@ -17,8 +17,10 @@ from fleetc.strategy.names import unknown_name
 
 
 def plain(value: Any) -> Any:
-    """``value`` as plain Python data for dicts and JSON: tuples become lists."""
-    return list(value) if isinstance(value, tuple) else value
+    """``value`` as plain Python data for dicts and JSON: tuples become lists, nested messages plain dicts."""
+    if isinstance(value, Mapping):
+        return {key: plain(item) for key, item in value.items()}
+    return [plain(item) for item in value] if isinstance(value, tuple) else value
 
 
 class Schema:

@@ -135,6 +135,39 @@ def test_eager_step_applies_gradient_merge(single_fleet):
         torch.testing.assert_close(a, b, msg=name)
 
 
+def test_eager_gradient_merge_resumes_mid_accumulation_from_state_dict(single_fleet, tmp_path):
+    """Regression: the eager accumulators were not in state_dict(), so a run saved after 2 of 4 micro-steps and
+    resumed updated with half the merged gradients. Resumed through a file, it equals the run never stopped."""
+    strategy = fleet.DistributedStrategy()
+    strategy.gradient_merge = True
+    strategy.gradient_merge_configs = {"k_steps": 4, "avg": True}
+    batches = _batches(8)
+
+    def fresh(state=None):
+        torch.manual_seed(0)
+        model = ZOO["mlp"].make_model()
+        opt = fleet.distributed_optimizer(torch.optim.Adam(model.parameters(), lr=0.01), strategy)
+        if state is not None:
+            model.load_state_dict(state["model"])
+            opt.set_state_dict(state["opt"])
+        return model, opt
+
+    model, opt = fresh()
+    _eager_loop(opt, model, batches)
+    model, opt = fresh()
+    _eager_loop(opt, model, batches[:6])  # one update, then 2 of the next 4 micro-steps
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
+    _eager_loop(opt, model, batches[6:])  # the saving run goes on unchanged
+    uninterrupted = model.state_dict()
+    resumed_model, resumed_opt = fresh(torch.load(tmp_path / "ckpt.pt", weights_only=True))
+    _eager_loop(resumed_opt, resumed_model, batches[6:])
+    for name, value in resumed_model.state_dict().items():
+        assert torch.equal(value, uninterrupted[name]), name
+    assert "fleetc_gradient_merge" not in resumed_opt.state_dict()  # k-th micro-step done: nothing under way
+    plain = fleet.distributed_optimizer(torch.optim.Adam(ZOO["mlp"].make_model().parameters()), strategy)
+    assert plain.state_dict().keys() == {"state", "param_groups"}  # no accumulation: torch's own format
+
+
 def test_eager_step_refuses_amp_and_points_to_compile(single_fleet):
     strategy = fleet.DistributedStrategy()
     strategy.amp = True

@@ -15,7 +15,9 @@ from fleetc.strategy.kinds import (
     Int,
     ListOf,
     Nullable,
+    Text,
 )
+from fleetc.strategy.messages import Message
 
 FIELDS: dict[str, Field] = DISTRIBUTED_SCHEMA.fields
 PATHS = sorted(FIELDS)
@@ -64,6 +66,11 @@ def good_value(field: Field) -> Any:
         return ["x", "y"]
     if isinstance(kind, ListOf):
         return {str: ["alpha", "beta"], int: [2, 3], float: [0.5, 0.25]}[kind.item]
+    if isinstance(kind, Text):
+        return field.default + "/elsewhere"
+    if isinstance(kind, Message):
+        message = {"name": "alpha", "size": 2, "inner": {"on": True, "rate": 0.5}}
+        return [message] if kind.repeated else message
     raise AssertionError(f"no sample for {field.name}")
 
 
@@ -84,6 +91,11 @@ def wrong_types(field: Field) -> list[Any]:
         return ["x", [1], None]
     if isinstance(kind, ListOf):
         return (["abc", [1], None] if kind.item is str else [[True], ["a"], 3])
+    if isinstance(kind, Text):
+        return [1, ["a"], None]
+    if isinstance(kind, Message):
+        bad = [{"name": None}, {"no name": 1}, {"size": float("nan")}, "text"]
+        return [{"name": "x"}, [*bad[:1]], None] if kind.repeated else [*bad, None, ["x"]]
     raise AssertionError(f"no wrong types for {field.name}")
 
 

@@ -84,6 +84,10 @@ EXPECTED_DEFAULTS = {
     "a_sync_configs.runtime_split_send_recv": False, "a_sync_configs.launch_barrier": True,
     "a_sync_configs.lr_decay_steps": 10, "a_sync_configs.use_ps_gpu": 0, "a_sync_configs.use_gpu_graph": 0,
     "gradient_scale_configs.scale_strategy": "avg", "gradient_scale_configs.scale_gradient": False,
+    "a_sync_configs.heter_worker_device_guard": "cpu", "build_strategy.debug_graphviz_path": "", "qat_configs.algo": "",
+    "hybrid_configs.mp_configs": {}, "hybrid_configs.pp_configs": {}, "hybrid_configs.sharding_configs": {},
+    "recompute_configs.refined_ops_patterns": [], "trainer_desc_configs": {}, "downpour_table_param": [],
+    "fs_client_param": {},
 }
 
 

@@ -415,3 +415,60 @@ def test_a_prototxt_with_paddle_only_fields_loads_and_they_are_reported_as_not_a
     path.write_text("fp16_allreduc: true\n")
     with pytest.raises(StrategyError, match=r":1: .*did you mean 'fp16_allreduce'"):
         load_strategy_file(path)
+
+
+PADDLE_MESSAGES = """\
+qat_configs { algo: "abs_max" }
+a_sync_configs { heter_worker_device_guard: "gpu" }
+build_strategy { debug_graphviz_path: "/tmp/graphs" }
+hybrid_configs {
+  mp_configs { sync_param: true sync_mode: "broadcast" sync_param_name: "fc" sync_param_name: "emb" }
+  pp_configs { dp_comm_overlap: false }
+}
+recompute_configs {
+  refined_ops_patterns { main_ops: "matmul" num: 2 pre_ops: "softmax" }
+  refined_ops_patterns { main_ops: "dropout" num: -1 }
+}
+trainer_desc_configs { dump_fields_path: "__import__('os').system('touch pwned')" dump_fields: "a" dump_fields: "b" }
+downpour_table_param {
+  table_id: 0
+  accessor { accessor_class: "CtrCommonAccessor" sgd_param { name: "SparseAdaGradSGDRule" adagrad { rate: 0.05 } } }
+}
+fs_client_param { uri: "hdfs://x" user: "u" passwd: "p" hadoop_bin: "/bin/hadoop" }
+"""
+
+
+def test_paddle_free_text_and_nested_messages_load_round_trip_and_are_reported(tmp_path):
+    """Regression: a Paddle prototxt with free-text fields or nested / parameter-server messages was refused. They
+    load as plain data (the restricted parser evaluates nothing), save back to the same values, survive JSON, and
+    report() says they are not applied."""
+    path = tmp_path / "paddle.prototxt"
+    path.write_text(PADDLE_MESSAGES)
+    strategy = load_strategy_file(path)
+    assert strategy.hybrid_configs["mp_configs"] == {"sync_param": True, "sync_mode": "broadcast",
+                                                     "sync_param_name": ["fc", "emb"]}
+    assert strategy.recompute_configs["refined_ops_patterns"][1] == {"main_ops": "dropout", "num": -1}
+    assert strategy.downpour_table_param[0]["accessor"]["sgd_param"]["adagrad"] == {"rate": 0.05}
+    assert strategy.trainer_desc_configs["dump_fields_path"].startswith("__import__")
+    strategy.save_to_prototxt(tmp_path / "again.prototxt")
+    assert load_strategy_file(tmp_path / "again.prototxt").to_dict() == strategy.to_dict()
+    assert DistributedStrategy.from_json(strategy.to_json()).to_dict() == strategy.to_dict()
+    skipped = strategy_requests_without_pass(resolve_strategy(strategy))
+    assert set(skipped) == {"qat_configs.algo", "a_sync_configs.heter_worker_device_guard",
+                            "build_strategy.debug_graphviz_path", "hybrid_configs.mp_configs",
+                            "hybrid_configs.pp_configs", "recompute_configs.refined_ops_patterns",
+                            "trainer_desc_configs", "downpour_table_param", "fs_client_param"}
+    assert all(why.startswith("not applied: a Paddle setting") for why in skipped.values())
+
+
+@pytest.mark.parametrize(("text", "match"), [
+    ('fs_client_param: "hdfs://x"\n', r":1: fs_client_param is a message; write 'fs_client_param \{ ... \}'"),
+    ("hybrid_configs {\n  mp_configs: 3\n}\n", r":2: hybrid_configs.mp_configs is a message"),
+    ("downpour_table_param { accessor { rate: nan } }\n", r":1: downpour_table_param.accessor.rate must be a finite"),
+    ("hybrid_configs { mp_config { sync_param: true } }\n", r":1: .*did you mean 'mp_configs'"),
+])
+def test_bad_paddle_messages_are_strategy_errors_naming_file_and_line(tmp_path, text, match):
+    path = tmp_path / "bad.prototxt"
+    path.write_text(text)
+    with pytest.raises(StrategyError, match=str(path).replace(".", r"\.") + match):
+        load_strategy_file(path)

@@ -2,7 +2,8 @@
 
 Runs only in data-parallel Programs (`metadata["data_parallel"]`, stamped by fleet's trainer). The
 producer's result is renamed `<param>@GRAD@LOCAL`; the allreduce's wait defines `<param>@GRAD`
-again, so the optimizer ops and fetches read the averaged gradient without being touched.
+again, so the optimizer ops and fetches read the averaged gradient without being touched. Under AMP the
+gradient averaged is the float32 cast of a low-precision gradient (name_full_precision_gradients).
 Communicator groups the Program uses are listed in `metadata["collective_groups"]`. Under gradient
 merge the accumulators are allreduced in its update block instead (allreduce_merged.py).
 """
@@ -12,6 +13,7 @@ from typing import Any
 
 import torch
 
+from fleetc.capture.to_program import rename_temporaries
 from fleetc.comm.collectives import FLAT, HIERARCHICAL
 from fleetc.comm.groups import group_partitions
 from fleetc.errors import StrategyError
@@ -19,6 +21,7 @@ from fleetc.ir.program import Op, OpRole, Program, Ref, Var, VarKind
 from fleetc.passes.base import PassReport
 from fleetc.passes.data_parallel.common import (
     ALLOC,
+    AMP_CAST,
     GRAD_SUFFIX,
     LOCAL_SUFFIX,
     SINGLE_PROCESS,
@@ -50,6 +53,30 @@ def gradient_vars(program: Program) -> list[str]:
             if param is not None and param.kind is VarKind.PARAM and block.vars[name].kind is VarKind.TEMP:
                 grads.append(name)
     return grads
+
+
+def name_full_precision_gradients(program: Program, grads: list[str]) -> None:
+    """Under AMP (O1) a float32 parameter's gradient is computed in low precision and cast back: make the cast the
+    gradient the ranks average, `<param>@GRAD`, and rename the low-precision one `<param>@GRAD@<dtype>`.
+
+    Paddle and torch DDP sum a float32 parameter's gradient in float32; summing the bfloat16 one loses precision
+    that only Paddle's `fp16_allreduce` opts into. Renaming (rather than averaging the cast under its own name)
+    keeps every later pass's rule that the averaged gradient of `p` is `p@GRAD`."""
+    block = program.global_block
+    mapping: dict[str, str] = {}
+    for grad in grads:
+        dtype = program.var(grad.removesuffix(GRAD_SUFFIX)).dtype
+        if block.vars[grad].dtype == dtype:
+            continue
+        cast = next((op.outputs[0] for op in block.ops if op.type == AMP_CAST and op.args[0] == Ref(grad)
+                     and block.vars[op.outputs[0]].dtype == dtype), None)
+        if cast is not None:
+            mapping[grad] = program.unique_name(f"{grad}@{block.vars[grad].dtype}")
+            mapping[cast] = grad  # after the line above: rename_temporaries moves the Vars in this order
+    rename_temporaries(program, mapping)
+    for sub_block in program.blocks[1:]:  # e.g. AMP's skip-on-overflow update reads the cast
+        for op in sub_block.ops:
+            op.rename_inputs(mapping)
 
 
 def allreduce_ops(program: Program, grads: list[str], comm: int, algorithm: str, label: str,
@@ -110,9 +137,11 @@ class InsertAllreduce:
             return program, report
         algorithm = algorithm_for(config, world)
         block = program.global_block
+        merged = merged_values(program)  # gradient merge: its accumulators are allreduced instead, once per k steps
+        if not merged:  # (under AMP the merged values already are the float32 casts)
+            name_full_precision_gradients(program, gradient_vars(program))
         grads = gradient_vars(program)
         production_index = {g: i for i, g in enumerate(grads)}
-        merged = merged_values(program)  # gradient merge: its accumulators are allreduced instead, once per k steps
         per_step = {} if merged else production_index
         ops = []
         for op in block.ops:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from fleetc.ir.program import Program, Var
 
 ALLOC = "aten.empty.memory_format"
+AMP_CAST = "aten._to_copy.default"
 START = "fleetc.c_allreduce_start"
 WAIT = "fleetc.c_allreduce_wait"
 SINGLE_PROCESS = "single process: no collectives needed"

@@ -113,3 +113,19 @@ def test_sync_batch_norm_replaces_training_batch_norms_and_their_backwards(progr
     _, no_bn = run_data_parallel_passes(programs["mlp"], sync_batch_norm=True)
     assert no_bn["sync_batch_norm"].report.skipped_reason == "the Program has no training-mode batch norm"
 
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_amp_gradients_are_averaged_in_float32(programs, fuse):
+    """Under AMP (bf16) a matmul's weight gradient is computed in bf16 and cast to float32 for the optimizer: the
+    ranks average the float32 cast, as Paddle and torch DDP do. Averaging the bf16 one lost a bf16 rounding per
+    step, and data parallel + AMP then drifted from the same AMP run accumulating the shards in one process."""
+    program, _ = run_data_parallel_passes(programs["mlp"], fuse_all_reduce_ops=fuse, amp=True,
+                                          amp_configs={"dtype": "bfloat16"})
+    starts = [op for op in program.global_block.ops if op.type == START]
+    averaged = [ref.name for op in starts for ref in op.args[1]]
+    assert len(averaged) == 6 and {program.var(op.args[0].name).dtype for op in starts} == {"float32"}
+    assert all(program.var(name).dtype == "float32" for name in averaged)
+    casts = [op for op in program.global_block.ops if op.type == "aten._to_copy.default"
+             and op.outputs[0].endswith("@GRAD@LOCAL")]
+    assert sorted(op.args[0].name for op in casts) == [f"{layer}.weight@GRAD@bfloat16" for layer in ("fc1", "fc2", "out")]
