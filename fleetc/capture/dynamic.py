@@ -38,11 +38,9 @@ class DynamicDims:
         """torch.export's `dynamic_shapes` for a module whose forward is `forward(*tensors)`."""
         from torch.export import Dim  # torch._dynamo: imported only when tracing dynamically
 
-        def hint(name: str):
-            return Dim.AUTO(max=self.bounds[name][0]) if name in self.bounds else Dim.AUTO
-
-        return (tuple({d: hint(name) for d, name in self.dims.get(i, {}).items() if (i, d) not in self.pinned}
-                      or None for i in range(len(tensors))),)
+        hints = {name: Dim.AUTO(max=bound) for name, (bound, _) in self.bounds.items()}  # a bounded range
+        return (tuple({d: hints.get(name, Dim.AUTO) for d, name in self.dims.get(i, {}).items()
+                       if (i, d) not in self.pinned} or None for i in range(len(tensors))),)
 
     def beyond_bounds(self, shapes: list[tuple[int, ...]], feed_names: list[str]) -> str | None:
         """The first marked dim of these input shapes above its upper bound, in words; None when all fit."""
