@@ -456,9 +456,10 @@ def compile(model: nn.Module, strategy: Any = None, *, optimizer: torch.optim.Op
     `strategy` is None). When something a compiled step assumed changes (see docs/guards.md), the step recompiles
     (`on_guard_failure="recompile"`, logged in `report().recompiles`) or raises GuardError (`"error"`); at most
     `cache_limit` Programs per step kind are kept. `dynamic` (None: static first, then symbolic in the dims that
-    changed; True: batch and sequence dims symbolic from the start; False: never) and `dynamic_dims`
-    (`{"input_ids": {0: "batch", 1: "seq"}}`) say which input dims a Program is traced symbolic in, so that one
-    Program serves many sizes (docs/dynamic_shapes.md); `report().compiles` counts the Programs compiled.
+    changed, and int arguments that changed; True: batch and sequence dims symbolic from the start; False: never)
+    and `dynamic_dims` (`{"input_ids": {0: "batch", 1: "seq"}}`; a name given twice is one symbol) say which input
+    dims a Program is traced symbolic in, so that one Program serves many sizes (docs/dynamic_shapes.md); a `seq`
+    dim is bounded by the model config's number of positions. `report().compiles` counts the Programs compiled.
     """
     options = dict(loss_fn=loss_fn, measure_memory=measure_memory, verify=verify, disable_passes=disable_passes,
                    print_after=print_after, recompute_policy=recompute_policy, grad_clip=grad_clip,
