@@ -20,7 +20,7 @@ from fleetc.errors import GuardError
 MAX = 64  # the factories' max_position_embeddings / n_positions
 # How each architecture's batch is built: next-token targets, one class per sequence, or seq2seq labels.
 KINDS = {"gpt2": "lm", "llama": "lm", "bert": "class", "t5": "seq2seq"}
-FAST = ["gpt2", "llama", "bert"]  # T5's symbolic capture takes about a minute on 2 cores: FLEETC_FULL=1 only
+FAST = ["gpt2", "llama", "bert"]  # T5: two symbolic captures of 1-4 min each on 2 loaded cores: FLEETC_FULL=1
 
 
 def _batch(kind: str, batch: int, seq: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
@@ -97,7 +97,7 @@ def test_text_model_trains_dynamic_batch_and_sequence_with_one_program_and_one_s
     _check(name, first_seq_one=name == "gpt2")
 
 
-@pytest.mark.skipif(not os.environ.get("FLEETC_FULL"), reason="T5's symbolic capture takes about a minute: "
+@pytest.mark.skipif(not os.environ.get("FLEETC_FULL"), reason="T5's symbolic captures take minutes: "
                                                                "FLEETC_FULL=1 runs it")
 def test_t5_trains_dynamic_encoder_and_decoder_lengths():
     _check("t5")
