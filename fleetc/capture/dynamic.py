@@ -30,6 +30,7 @@ class DynamicDims:
     pinned: frozenset[tuple[int, int]] = frozenset()  # (input, dim) traced at size 1 in this compile (see `pin`)
     bounds: dict[str, tuple[int, str]] = field(default_factory=dict)  # dim name → (upper bound, where it is from)
     shared: frozenset[str] = frozenset()  # names `dynamic_dims` gives to dims of two or more feeds: one symbol
+    target: int | None = None  # the loss target's input position, when its dims carry the default names
 
     def __bool__(self) -> bool:
         return any(self.dims.values())
@@ -62,13 +63,19 @@ class DynamicDims:
         """These marks, with `dims` traced static at size 1 in one compile: the specialisation for a model that
         branches on a size being 1 (a guard `Ne(seq, 1)` broke, or the size-oblivious trace failed). The cache
         key stays the marked one; the Program's shape guards tell it from the symbolic one."""
-        return DynamicDims(self.dims, self.gave_up, self.pinned | frozenset(dims), self.bounds, self.shared)
+        return DynamicDims(self.dims, self.gave_up, self.pinned | frozenset(dims), self.bounds, self.shared,
+                           self.target)
 
     def ties(self, shapes: list[tuple[int, ...]]) -> list[tuple[tuple[int, int], tuple[int, int]]]:
         """Pairs of (input, dim) traced as one symbol: each dim of a `shared` name, tied to the first one of that
-        name when the example's sizes are equal (unequal ones stay separate symbols)."""
+        name, and each dim of the loss target tied to the same dim of the first input when both have the same
+        name (the labels' seq is the input's); only where the example's sizes are equal (else separate symbols)."""
         first: dict[str, tuple[int, int]] = {}
         pairs = []
+        if self.target:
+            pairs = [((0, d), (self.target, d)) for d, name in self.dims.get(self.target, {}).items()
+                     if self.dims.get(0, {}).get(d) == name and d < len(shapes[0]) and shapes[0][d] ==
+                     shapes[self.target][d] and not {(0, d), (self.target, d)} & self.pinned]
         for i, marks in sorted(self.dims.items()):
             for d, name in sorted(marks.items()):
                 if name not in self.shared or (i, d) in self.pinned:

@@ -61,7 +61,9 @@ class DynamicPolicy:
         """Mark the dims `dynamic_dims` names (once per step kind); unknown feeds or dims are an error."""
         names = [name for dims in self.named.values() for name in set(dims.values())]
         shared = frozenset(name for name in names if names.count(name) > 1)  # named for two feeds: one symbol
-        marks = self.marks.setdefault(kind, DynamicDims(bounds=self.bounds, shared=shared))
+        # The loss target's default-named dims are tied to the first input's (dynamic_dims names them otherwise).
+        target = feed_names.index("target") if "target" in feed_names[1:] and "target" not in self.named else None
+        marks = self.marks.setdefault(kind, DynamicDims(bounds=self.bounds, shared=shared, target=target))
         self.feed_names[kind] = feed_names
         if self.dynamic is True:
             for i, shape in enumerate(shapes):
