@@ -13,12 +13,15 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from fleetc.capture import (
     DynamicDims,
+    SIZE_ONE,
     OptimizerSignature,
     capture_eval_program,
     capture_train_program,
     tensor_feed_names,
 )
+from fleetc.capture.dim_bounds import config_bounds
 from fleetc.capture.hooks import optimizer_step_hooks, run_step_hooks
+from fleetc.capture.int_arguments import tensor_positions
 from fleetc.capture.to_program import INPUT_GRAD_FETCH
 from fleetc.codegen.cpu.backend import resolve_mode
 from fleetc.errors import CaptureError, GuardError, PassError, StrategyError
@@ -116,7 +119,7 @@ class CompiledTrainer:
                  dynamic_dims: dict[str, dict[int, str]] | None = None, compile_cache: str | None = None):
         self.model = model
         self.compile_cache = CompileCache(compile_cache)
-        self.dynamic = DynamicPolicy(dynamic, dynamic_dims)
+        self.dynamic = DynamicPolicy(dynamic, dynamic_dims, config_bounds(model))
         self.cpu_kernels = resolve_mode(cpu_kernels)
         self.recompute_policy = recompute_policy
         if grad_clip is not None and optimizer is None:
@@ -184,12 +187,21 @@ class CompiledTrainer:
         return final, history, report
 
     def _capture(self, kind: str, args: tuple, kwargs: dict, dynamic: DynamicDims) -> tuple[Program, Any]:
-        if dynamic and self.dynamic.dynamic is None and not self.dynamic.named:
-            try:  # dims marked automatically: a model that cannot be traced symbolically is compiled static
-                return self._trace(kind, args, kwargs, dynamic)
-            except CaptureError as exc:
-                self.dynamic.give_up(kind, str(exc).splitlines()[0])
-        return self._trace(kind, args, kwargs, dynamic)
+        if not dynamic:
+            return self._trace(kind, args, kwargs, dynamic)
+        try:
+            return self._trace(kind, args, kwargs, dynamic)
+        except CaptureError as exc:
+            leaves = tree_flatten((args, kwargs))[0]
+            tensors = [leaves[i] for i in tensor_positions(leaves)]
+            ones = dynamic.size_one([tuple(t.shape) for t in tensors])
+            if ones:  # a model that branches on a size being 1 (HF's `q_len > 1`) cannot trace it size-obliviously
+                return self._capture(kind, args, kwargs, dynamic.pin(ones))
+            if self.dynamic.dynamic is not None or self.dynamic.named:
+                raise
+            # dims marked automatically: a model that cannot be traced symbolically is compiled static
+            self.dynamic.give_up(kind, str(exc).splitlines()[0])
+        return self._trace(kind, args, kwargs, self.dynamic.marks[kind])
 
     def _trace(self, kind: str, args: tuple, kwargs: dict, dynamic: DynamicDims) -> tuple[Program, Any]:
         if kind == "train":
@@ -241,7 +253,7 @@ class CompiledTrainer:
         if shapes is not None:
             report.guards += [f"shape: {line}" for line in shapes.summary()]
         return CompiledStep(final, history, executable, binding, report, GuardCheck(record, self.model, self.optimizer),
-                            [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)], out_spec,
+                            tensor_positions(leaves), out_spec,
                             HyperparameterFeeds(final, self.model, self.optimizer), post_hooked, shapes, pipeline)
 
     def _make_pipeline(self, program: Program) -> PipelineExecutor:
@@ -260,16 +272,23 @@ class CompiledTrainer:
 
     def _lookup(self, kind: str, args: tuple, kwargs: dict) -> tuple[CompiledStep, list]:
         leaves, spec = tree_flatten((args, kwargs))
-        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        carried = self.dynamic.carry_ints(kind, leaves)  # the int arguments marked dynamic, as size carriers
+        if carried is not leaves:
+            leaves = carried
+            args, kwargs = tree_unflatten(leaves, spec)
+        tensors = [leaves[i] for i in tensor_positions(leaves)]
         dynamic = self.dynamic.dims(kind, tensors, self._feed_names(kind, args, kwargs))
         key = self._key(kind, leaves, spec, dynamic)
         compiled, reason = self._cache.lookup(kind, key, [t.shape for t in tensors])
         if compiled is None:
+            self.dynamic.check_bounds(kind, [tuple(t.shape) for t in tensors])
             if reason is not None and reason.startswith("shape guard") and self._cache.on_guard_failure == "error":
                 raise GuardError(f"{reason} (fleetc.compile(..., on_guard_failure='error') forbids recompiling; "
                                  "call with sizes the guard allows or compile with on_guard_failure='recompile')")
+            # Dims whose size 1 a cached Program's guard rejects (the model branches on it) are traced at size 1.
+            traced = dynamic.pin(self._cache.size_one_branches(kind, key, [t.shape for t in tensors]))
             with CompileProgress(f"fleetc: compiling the {kind} step"), _gc_paused():
-                compiled = self._compile(kind, args, kwargs, dynamic)
+                compiled = self._compile(kind, args, kwargs, traced)
             # The key holds the signs of the hyperparameters an update branches on, learned from the capture.
             self._optimizer_signature.learn(compiled.program)
             note = f"; traced symbolic in {_describe(dynamic, compiled)}" if dynamic or dynamic.gave_up else ""
@@ -450,7 +469,9 @@ def _describe(dynamic: DynamicDims, compiled: CompiledStep) -> str:
     if info is None:
         return f"no dim: {dynamic.gave_up}" if dynamic.gave_up else "no dim"
     dims = [f"{name} ({feed} dim {dim})" for name, (feed, dim) in info["dims"].items()]
-    return ", ".join(dims) or "no dim (the model fixes every size)"
+    pinned = [text.partition(" = ")[0] for text in info["specialised"] if text.endswith(SIZE_ONE)]
+    return ", ".join(dims) or (f"no dim ({', '.join(pinned)} at size 1: {SIZE_ONE.strip(' ()')})" if pinned
+                               else "no dim (the model fixes every size)")
 
 
 def compile(model: nn.Module, strategy: Any = None, *, optimizer: torch.optim.Optimizer | None = None,
@@ -473,9 +494,10 @@ def compile(model: nn.Module, strategy: Any = None, *, optimizer: torch.optim.Op
     `strategy` is None). When something a compiled step assumed changes (see docs/guards.md), the step recompiles
     (`on_guard_failure="recompile"`, logged in `report().recompiles`) or raises GuardError (`"error"`); at most
     `cache_limit` Programs per step kind are kept. `dynamic` (None: static first, then symbolic in the dims that
-    changed; True: batch and sequence dims symbolic from the start; False: never) and `dynamic_dims`
-    (`{"input_ids": {0: "batch", 1: "seq"}}`) say which input dims a Program is traced symbolic in, so that one
-    Program serves many sizes (docs/dynamic_shapes.md); `report().compiles` counts the Programs compiled.
+    changed, and int arguments that changed; True: batch and sequence dims symbolic from the start; False: never)
+    and `dynamic_dims` (`{"input_ids": {0: "batch", 1: "seq"}}`; a name given twice is one symbol) say which input
+    dims a Program is traced symbolic in, so that one Program serves many sizes (docs/dynamic_shapes.md); a `seq`
+    dim is bounded by the model config's number of positions. `report().compiles` counts the Programs compiled.
     `compile_cache` ("off", "passes", "capture"; default $FLEETC_COMPILE_CACHE, else "off") keeps pass results, and
     with "capture" captures too, on disk across processes (docs/compile_cache.md); `report().cache` says hit or miss.
     """

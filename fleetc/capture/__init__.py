@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils._pytree import TreeSpec, keystr, tree_flatten_with_path
 
 from fleetc.capture.attribute_reads import recording_attribute_reads
-from fleetc.capture.dynamic import DynamicDims, SymbolTable
+from fleetc.capture.dynamic import SIZE_ONE, DynamicDims, SymbolTable
 from fleetc.capture.hooks import refuse_untraceable_hooks, trace_gradient_hooks
 from fleetc.capture.optimizer import OptimizerSignature, lower_optimizer
 from fleetc.capture.step_module import EvalStep, StepInputs, TrainStep, split_step_args
@@ -70,6 +70,7 @@ def _traced(module: nn.Module, model: nn.Module, inputs: StepInputs, feed_names:
         examples = tuple(t.clone() if train and t.is_inference() else t for t in inputs.tensors)
         if dynamic:  # a view's strides would tie its symbolic sizes to its base's: trace on contiguous copies
             examples = tuple(t.contiguous() for t in examples)
+            inputs.ties = dynamic.ties([tuple(t.shape) for t in examples])
         graph, out_spec, fakes = trace_step(module, examples, {}, train=train,
                                             dynamic_shapes=dynamic.export_shapes(examples) if dynamic else None)
     symbols = None
@@ -131,6 +132,6 @@ def capture_eval_program(model: nn.Module, args: tuple, kwargs: dict[str, Any],
     return program, out_spec
 
 
-__all__ = ["DynamicDims", "OptimizerSignature", "StepInputs", "capture_train_program", "capture_eval_program", "split_step_args",
+__all__ = ["SIZE_ONE", "DynamicDims", "OptimizerSignature", "StepInputs", "capture_train_program", "capture_eval_program", "split_step_args",
            "tensor_feed_names",
            "param_names"]

@@ -18,6 +18,7 @@ import sympy
 import torch
 
 DEFAULT_DIM_NAMES = {0: "batch", 1: "seq"}
+SIZE_ONE = " (the size-1 specialisation)"  # ends the `specialised` entry of a dim pinned at size 1
 
 
 @dataclass
@@ -26,6 +27,10 @@ class DynamicDims:
 
     dims: dict[int, dict[int, str]] = field(default_factory=dict)
     gave_up: str = ""  # why the dims marked automatically were dropped (the symbolic trace failed)
+    pinned: frozenset[tuple[int, int]] = frozenset()  # (input, dim) traced at size 1 in this compile (see `pin`)
+    bounds: dict[str, tuple[int, str]] = field(default_factory=dict)  # dim name → (upper bound, where it is from)
+    shared: frozenset[str] = frozenset()  # names `dynamic_dims` gives to dims of two or more feeds: one symbol
+    target: int | None = None  # the loss target's input position, when its dims carry the default names
 
     def __bool__(self) -> bool:
         return any(self.dims.values())
@@ -34,7 +39,52 @@ class DynamicDims:
         """torch.export's `dynamic_shapes` for a module whose forward is `forward(*tensors)`."""
         from torch.export import Dim  # torch._dynamo: imported only when tracing dynamically
 
-        return (tuple({d: Dim.AUTO for d in self.dims.get(i, {})} or None for i in range(len(tensors))),)
+        hints = {name: Dim.AUTO(max=bound) for name, (bound, _) in self.bounds.items()}  # a bounded range
+        return (tuple({d: hints.get(name, Dim.AUTO) for d, name in self.dims.get(i, {}).items()
+                       if (i, d) not in self.pinned} or None for i in range(len(tensors))),)
+
+    def beyond_bounds(self, shapes: list[tuple[int, ...]], feed_names: list[str]) -> str | None:
+        """The first marked dim of these input shapes above its upper bound, in words; None when all fit."""
+        for i, marks in self.dims.items():
+            for d, name in marks.items():
+                if name in self.bounds and i < len(shapes) and d < len(shapes[i]):
+                    bound, source = self.bounds[name]
+                    if shapes[i][d] > bound:
+                        return (f"dim {d} of {feed_names[i]} ({name}) is {shapes[i][d]}, above its bound {bound} "
+                                f"({source}): the model has no positions past it")
+        return None
+
+    def size_one(self, shapes: list[tuple[int, ...]]) -> set[tuple[int, int]]:
+        """The marked dims that are 1 in a call with these input shapes (and not pinned yet)."""
+        return {(i, d) for i, marks in self.dims.items() for d in marks
+                if i < len(shapes) and d < len(shapes[i]) and shapes[i][d] == 1} - self.pinned
+
+    def pin(self, dims: set[tuple[int, int]]) -> DynamicDims:
+        """These marks, with `dims` traced static at size 1 in one compile: the specialisation for a model that
+        branches on a size being 1 (a guard `Ne(seq, 1)` broke, or the size-oblivious trace failed). The cache
+        key stays the marked one; the Program's shape guards tell it from the symbolic one."""
+        return DynamicDims(self.dims, self.gave_up, self.pinned | frozenset(dims), self.bounds, self.shared,
+                           self.target)
+
+    def ties(self, shapes: list[tuple[int, ...]]) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+        """Pairs of (input, dim) traced as one symbol: each dim of a `shared` name, tied to the first one of that
+        name, and each dim of the loss target tied to the same dim of the first input when both have the same
+        name (the labels' seq is the input's); only where the example's sizes are equal (else separate symbols)."""
+        first: dict[str, tuple[int, int]] = {}
+        pairs = []
+        if self.target:
+            pairs = [((0, d), (self.target, d)) for d, name in self.dims.get(self.target, {}).items()
+                     if self.dims.get(0, {}).get(d) == name and d < len(shapes[0]) and shapes[0][d] ==
+                     shapes[self.target][d] and not {(0, d), (self.target, d)} & self.pinned]
+        for i, marks in sorted(self.dims.items()):
+            for d, name in sorted(marks.items()):
+                if name not in self.shared or (i, d) in self.pinned:
+                    continue
+                if name not in first:
+                    first[name] = (i, d)
+                elif shapes[first[name][0]][first[name][1]] == shapes[i][d]:
+                    pairs.append((first[name], (i, d)))
+        return pairs
 
     def masked(self, position: int, shape: tuple[int, ...]) -> tuple:
         """`shape` with the dynamic dims of input `position` replaced by their names (the cache key's form)."""
@@ -70,6 +120,7 @@ class SymbolTable:
         self.ranges: dict[str, list[int | None]] = {}
         self.hints: dict[str, int] = {}
         self.specialised: list[str] = []  # requested dims the model forced to one size
+        self.bounded: dict[str, str] = {}  # name → where its upper bound is from (fleetc/capture/dim_bounds.py)
         taken: set[str] = set()
         for position, fake in enumerate(fakes):
             for dim, size in enumerate(fake.shape):
@@ -77,7 +128,8 @@ class SymbolTable:
                 expr = self._raw(size)
                 if not isinstance(expr, sympy.Symbol):
                     if wanted is not None and isinstance(expr, sympy.Integer):
-                        self.specialised.append(f"{feed_names[position]} dim {dim} ({wanted}) = {int(expr)}")
+                        why = SIZE_ONE if (position, dim) in requested.pinned else ""
+                        self.specialised.append(f"{feed_names[position]} dim {dim} ({wanted}) = {int(expr)}{why}")
                     continue
                 root = shape_env.replacements.get(expr, expr)
                 if not isinstance(root, sympy.Symbol):
@@ -92,6 +144,8 @@ class SymbolTable:
                     self.rename[root] = sympy.Symbol(name, integer=True, positive=True)
                     self.dims[name] = [feed_names[position], dim]
                     self.ranges[name] = _range(shape_env, root)
+                    if wanted in requested.bounds:
+                        self.bounded[name] = requested.bounds[wanted][1]
                     self.hints[name] = int(size.node.hint)
         # Symbols torch replaced by another (the target's batch dim equals the input's): each gets the name of the
         # input dim it is read from, and a guard says it equals its replacement.
@@ -137,4 +191,4 @@ class SymbolTable:
     def metadata(self) -> dict:
         """What `metadata["dynamic"]` holds: JSON-ready, read by the shape check and the report."""
         return {"dims": self.dims, "ranges": self.ranges, "hints": self.hints, "guards": self.guards,
-                "guard_sources": self.guard_sources, "aliases": self.aliases, "specialised": self.specialised}
+                "guard_sources": self.guard_sources, "aliases": self.aliases, "specialised": self.specialised, "bounded": self.bounded}

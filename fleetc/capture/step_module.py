@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from fleetc.capture.int_arguments import is_carrier, tensor_positions
 from fleetc.errors import CaptureError
 
 MODEL_ATTR = "model"
@@ -44,12 +45,20 @@ class StepInputs:
     """A step's (args, kwargs) split into the tensors the Program is fed and the rest, baked in as constants.
 
     Python scalars and other non-tensor arguments (`scale=2.0`, `use_cache=False`) specialize the Program: they
-    are part of its cache key and guards, as torch.compile does.
+    are part of its cache key and guards, as torch.compile does; an int the dynamic policy marked comes as a size
+    carrier (fleetc/capture/int_arguments.py), and the model gets its traced size where the int was.
     """
 
     def __init__(self, args: tuple, kwargs: dict[str, Any]):
         self.leaves, self.spec = tree_flatten((args, kwargs))
-        self.tensor_positions = [i for i, leaf in enumerate(self.leaves) if isinstance(leaf, torch.Tensor)]
+        self.tensor_positions = tensor_positions(self.leaves)
+        self.carried = {i for i in self.tensor_positions if is_carrier(self.leaves[i])}
+        self.ties: list[tuple[tuple[int, int], tuple[int, int]]] = []  # ((input, dim), (input, dim)) traced equal
+
+    def tie(self, tensors: tuple) -> None:
+        """Tell the trace that the tied dims are equal (`torch._check`): torch then gives them one symbol."""
+        for (i, d), (j, e) in self.ties:
+            torch._check(tensors[i].size(d) == tensors[j].size(e))
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -59,7 +68,7 @@ class StepInputs:
         """(args, kwargs) with the constants of the example and `tensors` in the tensor places."""
         leaves = list(self.leaves)
         for position, tensor in zip(self.tensor_positions, tensors):
-            leaves[position] = tensor
+            leaves[position] = tensor.size(0) if position in self.carried else tensor
         return tree_unflatten(leaves, self.spec)
 
 
@@ -78,6 +87,7 @@ class TrainStep(nn.Module):
 
     def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
         model = getattr(self, MODEL_ATTR)
+        self.inputs.tie(tensors)
         args, kwargs = self.inputs.rebuild(tensors)
         if self.loss_fn is None:
             return extract_loss(model(*args, **kwargs), loss_fn_given=False)
@@ -93,6 +103,7 @@ class EvalStep(nn.Module):
         self.inputs = inputs
 
     def forward(self, *tensors: torch.Tensor) -> Any:
+        self.inputs.tie(tensors)
         args, kwargs = self.inputs.rebuild(tensors)
         return getattr(self, MODEL_ATTR)(*args, **kwargs)
 

@@ -23,6 +23,8 @@ _FUNCTIONS = {"Max": sympy.Max, "Min": sympy.Min, "floor": sympy.floor, "ceiling
               "Abs": sympy.Abs, "sqrt": sympy.sqrt, "Eq": sympy.Eq, "Ne": sympy.Ne}
 # Comparisons, for the shape guards of a dynamic Program (`batch <= 64`).
 _COMPARE = {ast.Lt: sympy.Lt, ast.LtE: sympy.Le, ast.Gt: sympy.Gt, ast.GtE: sympy.Ge}
+# Either/both of two conditions (`Eq(seq, Min(64, seq)) | Eq(Min(64, seq), 1)`, a broadcast's guard).
+_LOGIC = {ast.BitOr: sympy.Or, ast.BitAnd: sympy.And}
 _ASSUMPTIONS = frozenset(_assume_defined)
 
 
@@ -38,6 +40,8 @@ def _build(node: ast.AST, symbols: dict[str, sympy.Symbol], depth: int) -> sympy
         if isinstance(node.op, ast.Pow) and right.is_number and abs(right) > MAX_EXPONENT:
             raise ValueError(f"exponent {right} is larger than {MAX_EXPONENT}")
         return _BINARY[type(node.op)](left, right)
+    if isinstance(node, ast.BinOp) and type(node.op) in _LOGIC:
+        return _LOGIC[type(node.op)](_build(node.left, symbols, depth + 1), _build(node.right, symbols, depth + 1))
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_build(node.operand, symbols, depth + 1))
     if isinstance(node, ast.Compare) and len(node.ops) == 1 and type(node.ops[0]) in _COMPARE:
@@ -46,7 +50,7 @@ def _build(node: ast.AST, symbols: dict[str, sympy.Symbol], depth: int) -> sympy
     if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _FUNCTIONS
             and not node.keywords):
         return _FUNCTIONS[node.func.id](*(_build(a, symbols, depth + 1) for a in node.args))
-    raise ValueError(f"{ast.dump(node)[:80]} is not allowed (numbers, symbol names, arithmetic, comparisons and "
+    raise ValueError(f"{ast.dump(node)[:80]} is not allowed (numbers, symbol names, arithmetic, comparisons, | and & of them, "
                      f"{', '.join(_FUNCTIONS)} only)")
 
 

@@ -7,17 +7,24 @@
 - `dynamic_dims={"input_ids": {0: "batch", 1: "seq"}}` names dims explicitly (by feed name: forward's parameter
   name, "target" for the loss function's target), symbolic from the first call whatever `dynamic` says.
 
+An int argument (`forward(x, n)`) that changes between calls is marked too, under `dynamic=None` and `True`: from
+then on it is fed as a size carrier (fleetc/capture/int_arguments.py) and traced as a symbol named after it, so
+the recompile it causes is the last one instead of one per value.
+
 A dim the model forces to one size (a Linear's input features) stays static: the report says so. The marks are
-per step kind ("train", "eval"); the cache key replaces a marked dim's size by its name.
+per step kind ("train", "eval"); the cache key replaces a marked dim's size by its name. Dims named "seq" are
+bounded by the model config's number of positions (fleetc/capture/dim_bounds.py); a call beyond it is refused.
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
 
 from fleetc.capture.dynamic import DEFAULT_DIM_NAMES, DynamicDims
-from fleetc.errors import StrategyError
+from fleetc.capture.int_arguments import is_carrier, is_size, size_carrier
+from fleetc.errors import GuardError, StrategyError
 
 
 def _check_dims(dynamic_dims: Any) -> dict[str, dict[int, str]]:
@@ -36,18 +43,28 @@ def _check_dims(dynamic_dims: Any) -> dict[str, dict[int, str]]:
 class DynamicPolicy:
     """The dims marked dynamic so far, per step kind, and why each was marked."""
 
-    def __init__(self, dynamic: bool | None, dynamic_dims: dict[str, dict[int, str]] | None):
+    def __init__(self, dynamic: bool | None, dynamic_dims: dict[str, dict[int, str]] | None,
+                 bounds: dict[str, tuple[int, str]] | None = None):
         if dynamic not in (None, True, False):
             raise StrategyError(f"dynamic must be None, True or False, not {dynamic!r}")
         self.dynamic = dynamic
         self.named = _check_dims(dynamic_dims)
+        self.bounds = dict(bounds or {})  # dim name → (upper bound, where it is from)
+        self.feed_names: dict[str, list[str]] = {}  # step kind → its tensor inputs' names
         self.marks: dict[str, DynamicDims] = {}
         self._first: dict[str, list[tuple[int, ...]]] = {}  # step kind → tensor input shapes of its first compile
+        self._first_ints: dict[str, list] = {}  # step kind → its first call's carriable int leaves (None elsewhere)
+        self.ints: dict[str, set[int]] = {}  # step kind → leaf indices of the int arguments marked dynamic
         self._resolved: set[str] = set()
 
     def _resolve_names(self, kind: str, shapes: list[tuple[int, ...]], feed_names: list[str]) -> None:
         """Mark the dims `dynamic_dims` names (once per step kind); unknown feeds or dims are an error."""
-        marks = self.marks.setdefault(kind, DynamicDims())
+        names = [name for dims in self.named.values() for name in set(dims.values())]
+        shared = frozenset(name for name in names if names.count(name) > 1)  # named for two feeds: one symbol
+        # The loss target's default-named dims are tied to the first input's (dynamic_dims names them otherwise).
+        target = feed_names.index("target") if "target" in feed_names[1:] and "target" not in self.named else None
+        marks = self.marks.setdefault(kind, DynamicDims(bounds=self.bounds, shared=shared, target=target))
+        self.feed_names[kind] = feed_names
         if self.dynamic is True:
             for i, shape in enumerate(shapes):
                 marks.dims.setdefault(i, {}).update({d: DEFAULT_DIM_NAMES[d] for d in range(min(len(shape), 2))})
@@ -65,6 +82,27 @@ class DynamicPolicy:
             marks.dims.setdefault(i, {}).update({d % len(shapes[i]): name for d, name in dims.items()})
         self._resolved.add(kind)
 
+    def carry_ints(self, kind: str, leaves: list) -> list:
+        """`leaves` with the int arguments marked dynamic replaced by size carriers (`leaves` itself when there are
+        none); an int that differs from the step kind's first call is marked now (not under dynamic=False)."""
+        if self.dynamic is False:
+            return leaves
+        first = self._first_ints.setdefault(kind, [leaf if is_size(leaf) else None for leaf in leaves])
+        marked = self.ints.setdefault(kind, set())
+        if len(first) == len(leaves):
+            marked.update(i for i, (was, now) in enumerate(zip(first, leaves))
+                          if was is not None and is_size(now) and was != now)
+        if not marked:
+            return leaves
+        return [size_carrier(leaf) if i in marked and is_size(leaf) else leaf for i, leaf in enumerate(leaves)]
+
+    def check_bounds(self, kind: str, shapes: list[tuple[int, ...]]) -> None:
+        """Refuse a call whose marked dims exceed their upper bounds (the model cannot run it; eager would fail
+        inside it), naming the dim and the bound."""
+        beyond = self.marks[kind].beyond_bounds(shapes, self.feed_names[kind])
+        if beyond is not None:
+            raise GuardError(f"shape guard failed: {beyond}")
+
     def give_up(self, kind: str, why: str) -> None:
         """The symbolic trace of automatically marked dims failed: this step kind stays static from now on."""
         marks = self.marks[kind]
@@ -73,14 +111,18 @@ class DynamicPolicy:
 
     def dims(self, kind: str, tensors: list[torch.Tensor], feed_names: Any) -> DynamicDims:
         """The dims this call traces symbolically; under dynamic=None, marks the dims that differ from the first
-        compile's. `feed_names` is called only on a step kind's first call."""
+        compile's. `feed_names` is called only on a step kind's first call and when an int argument is marked."""
         shapes = [tuple(t.shape) for t in tensors]
         if kind not in self._resolved:
             self._resolve_names(kind, shapes, feed_names())
         marks = self.marks[kind]
+        carriers = [i for i, t in enumerate(tensors) if is_carrier(t) and i not in marks.dims]
+        if carriers:  # an int argument marked since the last call: dim 0 of its carrier, named after it
+            names = feed_names()
+            marks.dims.update({i: {0: re.sub(r"\W", "_", names[i])} for i in carriers})
         if self.dynamic is None and not marks.gave_up:
             first = self._first.setdefault(kind, shapes)
-            if len(first) == len(shapes):
+            if len(first) <= len(shapes):  # carriers come after the tensors of the first call
                 for i, (was, now) in enumerate(zip(first, shapes)):
                     if len(was) == len(now) and was != now:
                         marked = marks.dims.setdefault(i, {})

@@ -25,16 +25,25 @@ class CachedStep(Protocol):
 Key = tuple[tuple[str, Any], ...]  # (what, value) parts, e.g. ("inputs", input_key(...))
 
 
+def _shown(guards: dict[str, Any], target: str) -> str:
+    """An argument's guarded value in words: an int fed as a size carrier by its value."""
+    if target not in guards:
+        return "not given"
+    expected = guards[target]
+    if isinstance(expected, dict) and expected.get("int_argument"):
+        return f"{expected['shape'][0]} (an int argument, now traced as a size)"
+    return repr(expected)
+
+
 def _input_change(old: GuardRecord, new: GuardRecord) -> str | None:
     """The arguments whose guards differ between two records, in words (the first three)."""
-    before = {(g.kind, g.target): g.expected for g in old.guards if g.kind in ("input", "constant_arg")}
-    after = {(g.kind, g.target): g.expected for g in new.guards if g.kind in ("input", "constant_arg")}
+    before = {g.target: g.expected for g in old.guards if g.kind in ("input", "constant_arg")}
+    after = {g.target: g.expected for g in new.guards if g.kind in ("input", "constant_arg")}
     changes = []
-    for where in sorted(set(before) | set(after), key=lambda w: w[1]):
+    for where in sorted(set(before) | set(after)):
         if before.get(where) != after.get(where):
-            was = repr(before[where]) if where in before else "not given"
-            now = repr(after[where]) if where in after else "not given"
-            changes.append(f"argument {where[1]} changed: {was} when compiled, now {now}")
+            changes.append(f"argument {where} changed: {_shown(before, where)} when compiled, "
+                           f"now {_shown(after, where)}")
     return "; ".join(changes[:3]) + ("; …" if len(changes) > 3 else "") if changes else None
 
 
@@ -73,6 +82,12 @@ class StepCache:
             failure = next((f"{what} changed" for (what, value), (_, old) in zip(key, latest_key) if value != old),
                            None)
         return None, failure
+
+    def size_one_branches(self, kind: str, key: Key, shapes: list[tuple]) -> set[tuple[int, int]]:
+        """(input, dim) of the size-1 dims that the shape guards of this key's cached Programs reject: the dims a
+        recompile traces at size 1 (see ShapeGuards.size_one_branches)."""
+        return {where for entry_key, step in self._entries[kind].values() if entry_key == key and step.shapes
+                for where in step.shapes.size_one_branches(shapes)}
 
     def add(self, kind: str, key: Key, step: CachedStep, reason: str | None, step_number: int, note: str = "") -> None:
         """Keep a freshly compiled step; log (or, under the "error" policy, refuse) it when it is a recompile

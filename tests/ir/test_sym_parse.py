@@ -56,3 +56,11 @@ def test_bad_assumptions_are_refused():
     program["blocks"][0]["vars"][0]["shape"][0]["assumptions"] = {"s0": {"__class__": True}}
     with pytest.raises(ValueError, match="bad assumptions"):
         program_from_json(json.dumps(program))
+
+
+@pytest.mark.parametrize("text", ["Eq(s0, Min(64, s0)) | Eq(Min(64, s0), 1)", "(s0 <= 8) & Ne(s0, 1)"])
+def test_a_guard_of_either_or_both_conditions_parses_to_the_same_condition(text):
+    expr = parse_sym(text, {"s0": S0})
+    assert isinstance(expr, (sympy.Or, sympy.And)) and str(expr) == str(sympy.sympify(text, {"s0": S0}))
+    assert [bool(expr.subs(S0, n)) for n in (1, 2, 64, 65)] == [eval(text, {  # noqa: S307 - a test's own text
+        "Eq": lambda a, b: a == b, "Ne": lambda a, b: a != b, "Min": min, "s0": n}) for n in (1, 2, 64, 65)]

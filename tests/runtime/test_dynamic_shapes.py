@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import random
+import types
 
 import pytest
 import sympy
@@ -12,6 +13,7 @@ from helpers.gradient_merge import merge_strategy
 from zoo import MLP, TinyGPT, _lm_loss
 
 import fleetc
+from fleetc.capture.dim_bounds import config_bounds
 from fleetc.errors import GuardError, StrategyError
 from fleetc.fleet.inference import save_inference_model
 from fleetc.ir.liveness import estimate_memory
@@ -90,12 +92,12 @@ def test_the_ir_of_a_dynamic_program_prints_parses_serialises_and_estimates_memo
         assert copy_.metadata["dynamic"] == program.metadata["dynamic"]
         verify(copy_)
     small = estimate_memory(program)  # at the traced sizes
-    assert small.sizes == {"batch": 4, "seq": 8, "batch_2": 4, "seq_2": 8}
+    assert small.sizes == {"batch": 4, "seq": 8}  # the target's dims are the input's
     assert {"batch", "seq"} <= {s.name for s in sympy.sympify(small.formula).free_symbols}
     assert _evaluate(small.formula, small.sizes) == small.peak_bytes
     trainer.step(*_batch(32, 16, g))
     stats = trainer.memory_stats()  # for the last step's sizes
-    assert stats["estimated_for_sizes"] == {"batch": 32, "seq": 16, "batch_2": 32, "seq_2": 16}
+    assert stats["estimated_for_sizes"] == {"batch": 32, "seq": 16}
     assert _evaluate(stats["estimated_peak_formula"], stats["estimated_for_sizes"]) == stats["estimated_peak_bytes"]
     assert stats["estimated_peak_bytes"] > small.peak_bytes
     assert trainer.report().compiles == 1
@@ -173,9 +175,100 @@ def test_a_shape_guard_violation_raises_naming_the_dim_and_guard_under_on_guard_
     assert trainer.report().compiles == 1
     shapes = trainer._last_train.shapes  # what a call of another rank or an unequal target would hear
     assert shapes.failure([(2, 3, 4), (2, 3)]) == "idx has 3 dims, the Program was compiled for 2"
-    assert shapes.failure([(2, 3), (2, 5)]) == ("the guard Eq(batch*seq, batch_2*seq_2) fails for batch=2, "
-                                                "batch_2=2, seq=3, seq_2=5")
-    assert not shapes.passes([(2, 3), (2, 5)]) and shapes.passes([(2, 3), (3, 2)])
+    assert shapes.failure([(2, 3), (2, 5)]) == "dim 1 of target is 5, the guard says target.size(1) == seq"
+    assert shapes.passes([(2, 3), (2, 3)]) and not shapes.passes([(2, 3), (3, 2)])  # the labels' dims are the input's
+
+
+def test_a_sequence_past_the_position_table_in_the_models_config_is_refused_by_its_shape_guard():
+    model = _gpt(layers=1)
+    model.config = types.SimpleNamespace(max_position_embeddings=MAX_SEQ)  # as a Hugging Face model carries it
+    assert config_bounds(model) == {"seq": (MAX_SEQ, "config.max_position_embeddings")}
+    assert config_bounds(torch.nn.Sequential(model)) == {"seq": (MAX_SEQ, "0.config.max_position_embeddings")}
+    assert config_bounds(_gpt(layers=1)) == {}
+    trainer = fleetc.compile(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05), loss_fn=_lm_loss,
+                             dynamic=True)
+    g = torch.Generator().manual_seed(0)
+    for batch, seq in [(4, 8), (3, MAX_SEQ)]:  # the bound itself is served
+        trainer.step(*_batch(batch, seq, g))
+    assert trainer.report().compiles == 1
+    assert any(line.startswith("shape: seq = idx.size(1), ") and line.endswith(
+        f"<= seq <= {MAX_SEQ} (the bound is config.max_position_embeddings)") for line in trainer.report().guards)
+    with pytest.raises(GuardError, match=rf"dim 1 of idx \(seq\) is {MAX_SEQ + 1}, above its bound {MAX_SEQ} "
+                                         r"\(config.max_position_embeddings\): the model has no positions past it"):
+        trainer.step(*_batch(2, MAX_SEQ + 1, g))
+    assert trainer.report().compiles == 1
+
+
+def test_dims_given_one_name_in_dynamic_dims_are_one_symbol_and_a_call_where_they_differ_recompiles():
+    model = _gpt(layers=1)
+    reference = copy.deepcopy(model)
+    shared = {"idx": {0: "batch", 1: "seq"}, "target": {0: "batch", 1: "seq"}}  # the labels' seq is the input's
+    trainer = fleetc.compile(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05), loss_fn=_lm_loss,
+                             dynamic_dims=shared)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(0)
+    for batch, seq in [(4, 8), (3, 5), (7, MAX_SEQ)]:
+        x, y = _batch(batch, seq, g)
+        torch.testing.assert_close(trainer.step(x, y), _eager_step(reference, optimizer, x, y), rtol=1e-5, atol=1e-6)
+    assert trainer.report().compiles == 1
+    assert [str(d) for d in trainer.program.var("target").shape] == ["batch", "seq"]
+    assert not [line for line in trainer.report().guards if "_2" in line]  # no second batch or seq symbol
+    x, _ = _batch(4, 8, g)
+    y = x.reshape(8, 4).contiguous()  # as many labels, in another shape: the tie's guard fails, and it recompiles
+    torch.testing.assert_close(trainer.step(x, y), _eager_step(reference, optimizer, x, y), rtol=1e-5, atol=1e-6)
+    report = trainer.report()
+    assert report.compiles == 2 and "dim 0 of target is 8, the guard says target.size(0) == batch" in \
+        report.recompiles[0]
+    _assert_same_params(model, reference)
+
+
+class _Crop(torch.nn.Module):
+    """Reads an int argument as a size: `x[:, :keep]`."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, keep: int) -> torch.Tensor:
+        return self.lin(x[:, :keep]).mean(1)
+
+
+def test_an_int_argument_that_changes_is_traced_as_a_size_after_the_first_recompile():
+    torch.manual_seed(0)
+    model = _Crop()
+    reference = copy.deepcopy(model)
+    trainer = fleetc.compile(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=F.cross_entropy)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    for keep in [3, 5, 7, 2, 9, 4]:
+        x, y = torch.randn(4, 10, 8, generator=g), torch.randint(0, 4, (4,), generator=g)
+        optimizer.zero_grad()
+        loss = F.cross_entropy(reference(x, keep), y)
+        loss.backward()
+        optimizer.step()
+        torch.testing.assert_close(trainer.step(x, keep, y), loss.detach(), rtol=1e-5, atol=1e-6)
+    report = trainer.report()
+    assert report.compiles == 2, report.recompiles  # static at 3, then one Program for every other value
+    assert report.recompiles[0].startswith("step 2: recompiled the train step: argument args[1] changed: 3 when "
+                                           "compiled, now 5 (an int argument, now traced as a size)")
+    assert "traced symbolic in keep" in report.recompiles[0]
+    assert any(line.startswith("shape: keep = keep.size(0)") for line in report.guards), report.guards
+    # keep=1 breaks the guard `Ne(Min(10, keep), 1)`: one Program at keep=1, then both serve their sizes.
+    for keep in [1, 6, 1]:
+        x, y = torch.randn(4, 10, 8, generator=g), torch.randint(0, 4, (4,), generator=g)
+        optimizer.zero_grad()
+        loss = F.cross_entropy(reference(x, keep), y)
+        loss.backward()
+        optimizer.step()
+        torch.testing.assert_close(trainer.step(x, keep, y), loss.detach(), rtol=1e-5, atol=1e-6)
+    assert trainer.report().compiles == 3, trainer.report().recompiles
+    _assert_same_params(model, reference)
+    other = _Crop()
+    still = fleetc.compile(other, optimizer=torch.optim.SGD(other.parameters(), lr=0.1), loss_fn=F.cross_entropy,
+                           dynamic=False)
+    for keep in [3, 5, 7]:
+        still.step(torch.randn(4, 10, 8), keep, torch.randint(0, 4, (4,)))
+    assert still.report().compiles == 3  # dynamic=False: every value is its own Program
 
 
 def test_gradient_merge_with_a_ragged_last_micro_batch_matches_eager():

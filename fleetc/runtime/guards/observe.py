@@ -9,6 +9,7 @@ from torch.utils._pytree import TreeSpec, keystr, tree_flatten_with_path
 
 from fleetc.capture.attribute_reads import is_plain
 from fleetc.capture.dynamic import DynamicDims
+from fleetc.capture.int_arguments import is_carrier, tensor_positions
 from fleetc.capture.hooks import registered_hooks
 from fleetc.capture import param_names
 from fleetc.ir.program import Program
@@ -20,11 +21,10 @@ def input_key(leaves: list, spec: TreeSpec, dynamic: DynamicDims | None = None) 
     and each other value (baked into the Program as a constant) by type and repr. A `dynamic` dim's size is
     replaced by its name: the Program's shape guards decide whether a size fits."""
     parts: list[tuple] = [(str(spec),)]
-    position = 0
-    for leaf in leaves:
+    position = {leaf: i for i, leaf in enumerate(tensor_positions(leaves))}  # the dynamic dims' numbering
+    for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
-            shape = dynamic.masked(position, tuple(leaf.shape)) if dynamic else tuple(leaf.shape)
-            position += 1
+            shape = dynamic.masked(position[i], tuple(leaf.shape)) if dynamic else tuple(leaf.shape)
             parts.append((shape, leaf.dtype, leaf.device, leaf.requires_grad))
         else:
             parts.append((type(leaf).__name__, repr(leaf)))
@@ -37,7 +37,8 @@ def _argument_guards(args: tuple, kwargs: dict[str, Any]) -> list[Guard]:
         target = ("args" if path[0].idx == 0 else "kwargs") + keystr(path[1:])
         if isinstance(leaf, torch.Tensor):
             guards.append(Guard("input", target, {"shape": list(leaf.shape), "dtype": str(leaf.dtype).removeprefix(
-                "torch."), "device": str(leaf.device), "requires_grad": leaf.requires_grad}))
+                "torch."), "device": str(leaf.device), "requires_grad": leaf.requires_grad,
+                **({"int_argument": True} if is_carrier(leaf) else {})}))
         else:
             guards.append(Guard("constant_arg", target, leaf if is_plain(leaf) else repr(leaf)))
     return guards

@@ -12,6 +12,7 @@ import math
 
 import sympy
 
+from fleetc.capture.dynamic import SIZE_ONE
 from fleetc.ir.program import Program, VarKind
 from fleetc.ir.sym_parse import make_symbols, parse_sym
 from fleetc.ir.symbolic import sym_value
@@ -95,15 +96,31 @@ class ShapeGuards:
                 return f"the guard {text} fails for {bound}"
         return None
 
+    def size_one_branches(self, shapes: list[tuple]) -> set[tuple[int, int]]:
+        """(input, dim) of the dims that are 1 in this call and named by a guard it breaks (`Ne(seq, 1)`): where
+        the model branches on a size being 1, so the next compile traces them at size 1."""
+        if len(shapes) != len(self.shapes) or any(len(got) != len(shape) for got, shape in zip(shapes, self.shapes)):
+            return set()
+        values = {name: int(shapes[i][d]) for name, (i, d) in self.sources.items()}
+        broken = [name for name, (low, high) in self.info["ranges"].items()
+                  if values[name] < low or high is not None and values[name] > high]
+        for _, expr in self.relations:
+            if not bool(expr.xreplace({s: values[s.name] for s in expr.free_symbols})):
+                broken += [s.name for s in expr.free_symbols]
+        return {self.sources[name] for name in broken if values[name] == 1}
+
     def summary(self) -> list[str]:
         """One line per symbol (where it is read, its range) and the relations, for `report()`."""
         lines = []
         for name, (feed, dim) in self.info["dims"].items():
             low, high = self.info["ranges"][name]
-            lines.append(f"{name} = {feed}.size({dim}), {low} <= {name}" + (f" <= {high}" if high else ""))
+            bound = self.info.get("bounded", {}).get(name)
+            lines.append(f"{name} = {feed}.size({dim}), {low} <= {name}" + (f" <= {high}" if high else "")
+                         + (f" (the bound is {bound})" if bound and high else ""))
         lines += [f"{name} = {feed}.size({dim})" for name, (feed, dim) in self.info["aliases"].items()]
         sources = self.info.get("guard_sources", {})
         lines += [f"guard {text}" + (f" (made at {sources[text]})" if sources.get(text) else "")
                   for text, _ in self.relations]
-        lines += [f"specialised (the model fixes it): {text}" for text in self.info["specialised"]]
+        lines += [f"specialised{'' if text.endswith(SIZE_ONE) else ' (the model fixes it)'}: {text}"
+                  for text in self.info["specialised"]]
         return lines
