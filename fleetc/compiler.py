@@ -50,7 +50,7 @@ from fleetc.runtime.checkpoint import (
     rng_state,
     save_checkpoint,
 )
-from fleetc.runtime.compile_cache import CompileCache
+from fleetc.compile_cache import CompileCache
 from fleetc.runtime.execution import ExecutionPlan
 from fleetc.runtime.dynamic_policy import DynamicPolicy
 from fleetc.runtime.executor import Executable

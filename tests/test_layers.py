@@ -28,7 +28,7 @@ LAYERS = (  # bottom first
     ("fleetc.capture",),
     ("fleetc.passes",),
     ("fleetc.runtime", "fleetc.codegen"),
-    ("fleetc.compiler", "fleetc.report"),
+    ("fleetc.compiler", "fleetc.report", "fleetc.compile_cache"),
     ("fleetc.fleet",),
     ("fleetc.viz",),
     ("fleetc.cli", "fleetc.__main__"),

@@ -2,7 +2,7 @@
 enter it atomically, and when its directories are trusted.
 
 `$FLEETC_CACHE_DIR` (default `~/.cache/fleetc`) holds one subdirectory per backend (`triton/`, `cpu/`) and the
-compile cache (`compile/`, fleetc/runtime/compile_cache).
+compile cache (`compile/`, fleetc/compile_cache).
 Files are named after a hash of what produced them, and written to a temporary file first then renamed,
 so concurrent processes never read half a file.
 """

@@ -1,4 +1,4 @@
-"""The persistent compile cache (fleetc/runtime/compile_cache): hits train exactly like eager, every part of the key
+"""The persistent compile cache (fleetc/compile_cache): hits train exactly like eager, every part of the key
 misses when it changes, and bad entries or directories are ignored with a warning, never a crash."""
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from torch import nn
 
 import fleetc
 from fleetc.ir.printer import format_program
-from fleetc.runtime.compile_cache import CompileCacheWarning, fingerprint
-from fleetc.runtime.compile_cache.store import STALE_LOCK_SECONDS, EntryStore
+from fleetc.compile_cache import CompileCacheWarning, fingerprint
+from fleetc.compile_cache.store import STALE_LOCK_SECONDS, EntryStore
 
 ROOT = Path(__file__).resolve().parents[2]
 SCALE = 1.0

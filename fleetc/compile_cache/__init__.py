@@ -34,13 +34,13 @@ from fleetc.ir.serialize import from_dict, to_dict
 from fleetc.passes.base import PassReport
 from fleetc.passes.manager import History, PassRecord
 from fleetc.report import CompileReport
-from fleetc.runtime.compile_cache.fingerprint import (
+from fleetc.compile_cache.fingerprint import (
     code_fingerprint,
     config_fingerprint,
     digest,
     environment_fingerprint,
 )
-from fleetc.runtime.compile_cache.store import CompileCacheWarning, EntryStore
+from fleetc.compile_cache.store import CompileCacheWarning, EntryStore
 from fleetc.runtime.guards import GuardRecord, input_key, observe_guards
 
 MODES = ("off", "passes", "capture")
