@@ -15,12 +15,17 @@ from typing import Any, Iterator
 import torch
 import torch.fx.traceback as fx_traceback
 from torch import nn
+from torch._subclasses.fake_tensor import DataDependentOutputException
 from torch.overrides import TorchFunctionMode
 
 from fleetc.capture.step_module import EvalStep, TrainStep
 from fleetc.capture.trace import is_user_file
 
 _ROOT_FORWARDS = (TrainStep.forward.__code__, EvalStep.forward.__code__)
+
+class DataDependentBranch(RuntimeError):
+    """Python control flow on a traced tensor's value (`if h.sum() > 0:`), which a static Program cannot hold."""
+
 
 _user_code: dict[Any, bool] = {}  # code object → is_user_file(its file), cached: looked up for every torch call
 
@@ -56,9 +61,16 @@ class _UserSourceMode(TorchFunctionMode):
             return func(*args, **(kwargs or {}))
         meta = fx_traceback.current_meta
         before = meta.get("stack_trace")
-        meta["stack_trace"] = _innermost_user_frame(sys._getframe(1))
+        caller = sys._getframe(1)
+        meta["stack_trace"] = _innermost_user_frame(caller)
         try:
             return func(*args, **(kwargs or {}))
+        except DataDependentOutputException as exc:
+            # `if t.sum() > 0:` (a tensor's `__bool__`, which functional tensors implement with `.item()`), not a
+            # `.item()` of the user's: say which it was
+            if func is torch.Tensor.__bool__ or caller.f_code.co_name == "__bool__":
+                raise DataDependentBranch(f"data-dependent branch on a tensor's truth value ({exc})") from exc
+            raise
         finally:
             if before is None:
                 meta.pop("stack_trace", None)
