@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -22,6 +23,7 @@ from fleetc.capture.step_module import EvalStep, TrainStep
 from fleetc.capture.trace import is_user_file
 
 _ROOT_FORWARDS = (TrainStep.forward.__code__, EvalStep.forward.__code__)
+
 
 class DataDependentBranch(RuntimeError):
     """Python control flow on a traced tensor's value (`if h.sum() > 0:`), which a static Program cannot hold."""

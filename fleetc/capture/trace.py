@@ -56,8 +56,9 @@ _HINTS = (
      "use a fixed-size formulation (masks instead of boolean indexing)"),
     (("in output, which is not a known type",),
      "an output object torch cannot flatten into tensors (for example a transformers KV cache)",
-     "return tensors, lists, dicts or dataclasses of them; for Hugging Face models set model.config.use_cache = False "
-     "on every config (T5's decoder keeps its own copy: model.decoder.config), or pass use_cache=False to the call"),
+     ("return tensors, lists, dicts or dataclasses of them; for Hugging Face models set model.config.use_cache = "
+      "False on every config (T5's decoder keeps its own copy: model.decoder.config), or pass use_cache=False to the "
+      "call")),
 )
 
 
