@@ -115,6 +115,14 @@ class _Converter:
         self.env: dict[torch.fx.Node, Any] = {}  # node → Ref, or a list of Refs for tuple results
         self.seq_to_forward: dict[int, list[Op]] = {}
         self.renames: dict[str, str] = {}  # temporaries bound to result names, applied by flush_renames
+        self.names: Names | None = None  # built on the first `fresh` call
+
+    def fresh(self, base: str) -> str:
+        """A name not yet used in the Program. The names are collected once, on the first call: the FX node names
+        added after it are plain identifiers, which never equal a fresh name (its base has a `.` or `@`)."""
+        if self.names is None:
+            self.names = Names(self.program)
+        return self.names.fresh(base)
 
     def name_of(self, target: str) -> str:
         name = _strip_model_prefix(target) if self.wrapped else target
@@ -123,6 +131,9 @@ class _Converter:
     def placeholder(self, node: torch.fx.Node) -> None:
         desc = node.meta.get("desc")
         value = node.meta.get("val")
+        if isinstance(desc, (ParamAOTInput, BufferAOTInput)) and self.name_of(desc.target) in self.block.vars:
+            self.env[node] = Ref(self.name_of(desc.target))  # a tied alias: one Var (a direct trace lists each)
+            return
         if isinstance(desc, ParamAOTInput):
             var = _var_from_value(self.name_of(desc.target), value, VarKind.PARAM, self.symbols)
         elif isinstance(desc, BufferAOTInput):
@@ -211,7 +222,7 @@ class _Converter:
         value = getattr(self.gm, node.target)
         if not isinstance(value, torch.Tensor):  # a subgraph of a higher-order op (torch.cond, ...)
             raise _not_an_operator(next(iter(node.users), node))
-        name = self.program.unique_name(f"const.{node.name.lstrip('_')}")
+        name = self.fresh(f"const.{node.name.lstrip('_')}")
         try:
             add_constant(self.program, name, value)
         except TypeError as exc:
@@ -248,7 +259,7 @@ class _Converter:
             return wanted
         source = self.program.var(ref.name)
         self.block.add_var(Var(wanted, source.shape, source.dtype, source.device, VarKind.TEMP))
-        self.block.ops.append(Op(self.program.unique_name(f"{wanted}.clone"), "aten.clone.default", (ref,),
+        self.block.ops.append(Op(self.fresh(f"{wanted}.clone"), "aten.clone.default", (ref,),
                                  outputs=[wanted], attrs={"op_role": int(role), "module_path": module_path}))
         return wanted
 
@@ -274,13 +285,27 @@ class _Converter:
         if self._has_tangent():
             self._insert_loss_grad()
         self._insert_assigns(mutations)
-        for param, ref in grads:
+        for param, ref in self._sum_tied(grads):
             name = self.bind_result(ref, grad_name(param), "", OpRole.BACKWARD)
             self.program.fetches[f"grad:{param}"] = name
         for feed, ref in input_grads:
             name = self.bind_result(ref, grad_name(feed), "", OpRole.BACKWARD)
             self.program.fetches[f"{INPUT_GRAD_FETCH}{feed}"] = name
         self.flush_renames()
+
+    def _sum_tied(self, grads: list[tuple[str, Ref]]) -> list[tuple[str, Ref]]:
+        """One gradient per parameter: a direct trace gives a tied parameter one gradient per alias, which add up."""
+        summed: dict[str, Ref] = {}
+        for param, ref in grads:
+            if param in summed:
+                total = self.fresh(f"{grad_name(param)}.tied_sum")
+                first = self.program.var(summed[param].name)
+                self.block.add_var(Var(total, first.shape, first.dtype, first.device, VarKind.TEMP))
+                self.block.ops.append(Op(total, "aten.add.Tensor", (summed[param], ref), outputs=[total],
+                                         attrs={"op_role": int(OpRole.BACKWARD), "module_path": ""}))
+                ref = Ref(total)
+            summed[param] = ref
+        return list(summed.items())
 
     def _input_write(self, written: PlainAOTInput, value: Any) -> None:
         """A step argument written in place: the compiled step cannot hand the write back to the caller's tensor."""
@@ -321,7 +346,7 @@ class _Converter:
             producer = self.block.ops[defined_at[0]] if defined_at else None
             attrs = {"op_role": int(OpRole.FORWARD),
                      "module_path": producer.module_path if producer else buffer.rpartition(".")[0]}
-            assign = Op(self.program.unique_name(f"{buffer}.assign"), "fleetc.assign", (Ref(buffer), ref),
+            assign = Op(self.fresh(f"{buffer}.assign"), "fleetc.assign", (Ref(buffer), ref),
                         outputs=[buffer], attrs=attrs)
             inserts.append((after + 1, -order, assign))
         ops = self.block.ops
