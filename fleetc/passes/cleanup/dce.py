@@ -22,18 +22,23 @@ def has_side_effect(program: Program, block: Block, op: Op) -> bool:
     return torch.Tag.nondeterministic_seeded in overload.tags
 
 
-def eliminate_dead_ops(program: Program, block: Block, keep: set[str]) -> int:
-    """Remove dead ops from one block (one backward sweep); returns how many were removed."""
+def dead_op_names(program: Program, block: Block, keep: set[str]) -> set[str]:
+    """The ops of one block whose results nothing live reads and that have no side effect (one backward sweep)."""
     needed = set(keep)
-    kept: list[Op] = []
-    removed: list[str] = []
+    dead: set[str] = set()
     for op in reversed(block.ops):
         if has_side_effect(program, block, op) or any(n in needed for n in op.defined):
             needed.update(block_reads(program, op))
-            kept.append(op)
         else:
-            removed.append(op.name)
-    block.ops = kept[::-1]
+            dead.add(op.name)
+    return dead
+
+
+def eliminate_dead_ops(program: Program, block: Block, keep: set[str]) -> int:
+    """Remove dead ops from one block; returns how many were removed."""
+    dead = dead_op_names(program, block, keep)
+    removed = [op.name for op in block.ops if op.name in dead]
+    block.ops = [op for op in block.ops if op.name not in dead]
     program.repoint_forward_ops(dict.fromkeys(removed))
     return len(removed)
 

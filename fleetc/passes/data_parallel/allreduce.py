@@ -19,6 +19,7 @@ from fleetc.comm.groups import group_partitions
 from fleetc.errors import StrategyError
 from fleetc.ir.program import Op, OpRole, Program, Ref, Var, VarKind
 from fleetc.passes.base import PassReport
+from fleetc.passes.cleanup.dce import dead_op_names
 from fleetc.passes.data_parallel.common import (
     ALLOC,
     AMP_CAST,
@@ -53,6 +54,13 @@ def gradient_vars(program: Program) -> list[str]:
             if param is not None and param.kind is VarKind.PARAM and block.vars[name].kind is VarKind.TEMP:
                 grads.append(name)
     return grads
+
+
+def _is_backward(op: Op) -> bool:
+    """A backward op, not part of the update: where a parameter's gradient is also the gradient flowing on (with a
+    batch of one, `x + pos` gives `pos` and `x` the same gradient Var), it must read the rank's own value, as eager
+    autograd does; only the update reads the average."""
+    return OpRole.BACKWARD in op.role and not op.role & (OpRole.OPTIMIZE | OpRole.LR_SCHED)
 
 
 def name_full_precision_gradients(program: Program, grads: list[str]) -> None:
@@ -144,13 +152,18 @@ class InsertAllreduce:
         production_index = {g: i for i, g in enumerate(grads)}
         per_step = {} if merged else production_index
         ops = []
+        local_names: dict[str, str] = {}  # gradient → its rank-local value, for backward ops that read it
+        dead = dead_op_names(program, block, set(program.fetches.values()))  # left to DCE, as they are
         for op in block.ops:
+            if local_names and _is_backward(op) and op.name not in dead:
+                program.rename_reads(op, local_names)
             ops.append(op)
             produced = [g for g in op.defined if g in per_step]
             for grad in produced:
                 local = block.add_var(Var(grad + LOCAL_SUFFIX, block.vars[grad].shape, block.vars[grad].dtype,
                                           block.vars[grad].device))
                 op.outputs = [local.name if o == grad else o for o in op.outputs]
+                local_names[grad] = local.name
             for grad in produced:
                 comm = production_index[grad] % config.nccl_comm_num
                 ops.extend(allreduce_ops(program, [grad], comm, algorithm, grad.removesuffix(GRAD_SUFFIX),

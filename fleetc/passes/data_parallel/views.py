@@ -77,9 +77,10 @@ class _Bucket:
     """One start op's gradients: which producer writes each one's slot, or why it is copied."""
 
     def __init__(self, program: Program, start_index: int, definer: dict[str, tuple[int, Op]],
-                 readers: dict[str, list[int]]):
+                 readers: dict[str, list[int]], claimed: set[str]):
         self.program, self.definer, self.readers = program, definer, readers
         self.start_index = start_index
+        self.claimed = claimed  # producers already writing a gradient's slot (one op writes one slot)
 
     def slot_for(self, grad: str) -> _Slot | str:
         """The rewrite for gradient Var `grad`, or the reason it is copied."""
@@ -96,6 +97,8 @@ class _Bucket:
             return f"it is a view ({op.type}) of another value, not a fresh result"
         if op.type not in OUT_KERNELS or op.outputs != [name]:
             return f"{op.type} has no out kernel that writes its result directly"
+        if op.name in self.claimed:
+            return "it views another gradient's result, which already writes that gradient's slot"
         for value in (name, *(o.outputs[0] for o in chain)):
             var = self.program.var(value)
             if var.kind is not VarKind.TEMP or value in self.program.fetches.values():
@@ -144,11 +147,12 @@ class AllreduceViews:
                 readers.setdefault(name, []).append(i)
         before: dict[str, list[Op]] = {}  # op name → new ops to put right before it
         moved: set[str] = set()
+        claimed: set[str] = set()
         copied: dict[str, list[str]] = {}
         for start_index, start in enumerate(block.ops):
             if start.type != START:
                 continue
-            bucket = _Bucket(program, start_index, definer, readers)
+            bucket = _Bucket(program, start_index, definer, readers, claimed)
             flat, grads, in_place = start.args[0].name, [r.name for r in start.args[1]], list(start.args[2])
             offset, first = 0, None
             for k, grad in enumerate(grads):
@@ -156,6 +160,7 @@ class AllreduceViews:
                 if isinstance(slot, str):
                     copied.setdefault(slot, []).append(grad.removesuffix(GRAD_SUFFIX + LOCAL_SUFFIX))
                 else:
+                    claimed.add(slot.producer.name)
                     before.setdefault(slot.producer.name, []).append(self._write_into(program, slot, flat, grad,
                                                                                       offset))
                     in_place[k] = True

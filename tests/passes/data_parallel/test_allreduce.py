@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from helpers.data_parallel import captured_program, run_data_parallel_passes
+
+import fleetc
 
 from fleetc.errors import PassError
 from fleetc.ir.program import OpRole, Program
@@ -129,3 +132,34 @@ def test_amp_gradients_are_averaged_in_float32(programs, fuse):
     casts = [op for op in program.global_block.ops if op.type == "aten._to_copy.default"
              and op.outputs[0].endswith("@GRAD@LOCAL")]
     assert sorted(op.args[0].name for op in casts) == [f"{layer}.weight@GRAD@bfloat16" for layer in ("fc1", "fc2", "out")]
+
+
+class _SharedGradient(torch.nn.Module):
+    """`x + pos` with equal shapes: autograd gives `pos` and `x` one gradient Var, which the backward reads on."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = torch.nn.Parameter(torch.randn(1, 4, 8))
+        self.proj = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.proj(x) + self.pos).mean(1)
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_backward_ops_read_the_rank_local_gradient_not_the_average(fuse):
+    """Regression: reading the averaged `pos` gradient gave `proj.weight` the gradient of the averaged upstream
+    gradient with the local input, not the average of local gradients (and a cycle in a fused bucket)."""
+    torch.manual_seed(0)
+    model = _SharedGradient()
+    trainer = fleetc.compile(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             loss_fn=torch.nn.functional.cross_entropy)
+    trainer.step(torch.randn(1, 4, 8), torch.tensor([1]))
+    program, _ = run_data_parallel_passes(trainer.history["remove_noop_views"].program, fuse_all_reduce_ops=fuse)
+    backward_readers = [op for op in program.global_block.ops if OpRole.BACKWARD in op.role
+                        and {"pos@GRAD", "pos@GRAD@LOCAL"} & set(op.inputs)]
+    assert backward_readers, "the backward reads the shared gradient on"
+    assert all("pos@GRAD@LOCAL" in op.inputs and "pos@GRAD" not in op.inputs for op in backward_readers)
+    optimizer_reads = {n for op in program.global_block.ops if OpRole.OPTIMIZE in op.role for n in op.inputs}
+    assert "pos@GRAD" in optimizer_reads  # the update reads the average
