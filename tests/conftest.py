@@ -54,6 +54,15 @@ class SideBySide:
                                        msg=lambda m: f"{name}: {m}")
         assert any(not torch.equal(compiled_state[k], v) for k, v in self.initial_state.items()), "nothing trained"
 
+    def assert_compiled_identical(self, other: "SideBySide") -> None:
+        """The compiled runs gave the same losses and state bit for bit (for rewrites meant to be exact)."""
+        for step, (x, y) in enumerate(zip(self.compiled_losses, other.compiled_losses)):
+            assert torch.equal(x, y), f"loss of step {step}: {x} vs {y}"
+        mine, theirs = self.compiled_model.state_dict(), other.compiled_model.state_dict()
+        assert mine.keys() == theirs.keys()
+        for name in mine:
+            assert torch.equal(mine[name], theirs[name]), f"{name} differs"
+
 
 def run_side_by_side(zoo_name: str, optimizer_name, steps: int = 3, strategy=None,
                      **compile_kwargs) -> SideBySide:

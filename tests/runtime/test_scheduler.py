@@ -26,12 +26,6 @@ def threads_strategy(num_threads: int, strategy: fleetc.DistributedStrategy | No
     return strategy
 
 
-def assert_bitwise_equal(a, b) -> None:
-    for step, (x, y) in enumerate(zip(a.compiled_losses, b.compiled_losses)):
-        assert torch.equal(x, y), f"loss of step {step} differs"
-    sa, sb = a.compiled_model.state_dict(), b.compiled_model.state_dict()
-    for name in sa:
-        assert torch.equal(sa[name], sb[name]), f"{name} differs"
 
 
 @pytest.mark.parametrize("zoo_name", sorted(ZOO))
@@ -42,14 +36,14 @@ def test_every_thread_count_gives_the_same_bits_and_matches_eager(zoo_name):
         scheduled = runs[n].trainer._last_train.executable.scheduled
         assert scheduled is not None and scheduled.num_threads == n
         runs[n].assert_same()
-        assert_bitwise_equal(runs[1], runs[n])
+        runs[1].assert_compiled_identical(runs[n])
 
 
 def test_gradient_merge_with_threads_gives_the_same_bits():
     runs = {n: run_side_by_side("gpt", "momentum", steps=4, strategy=threads_strategy(n, merge_strategy(2)))
             for n in (1, 4)}
     assert runs[4].trainer._last_train.executable.scheduled is not None
-    assert_bitwise_equal(runs[1], runs[4])
+    runs[1].assert_compiled_identical(runs[4])
 
 
 def test_fused_ops_keep_their_bits_with_threads():
@@ -65,7 +59,7 @@ def test_fused_ops_keep_their_bits_with_threads():
     types = {op.type for op in runs[4].trainer.program.global_block.ops}
     assert types & {"fleetc.fused_dropout_add", "fleetc.fused_dropout_add_philox"}
     runs[4].assert_same()
-    assert_bitwise_equal(runs[1], runs[4])
+    runs[1].assert_compiled_identical(runs[4])
 
 
 def test_sequential_execution_runs_the_straight_line_function_whatever_num_threads():

@@ -3,7 +3,6 @@ merge, auto fusion and the multi-threaded scheduler; the planned peak never grow
 from __future__ import annotations
 
 import pytest
-import torch
 from conftest import run_side_by_side
 from zoo import ZOO
 
@@ -18,11 +17,6 @@ def _strategy(inplace: bool, **fields) -> fleetc.DistributedStrategy:
     return strategy
 
 
-def _assert_identical(a, b) -> None:
-    for step, (x, y) in enumerate(zip(a.compiled_losses, b.compiled_losses)):
-        assert torch.equal(x, y), f"loss of step {step}"
-    for (name, x), y in zip(a.compiled_model.state_dict().items(), b.compiled_model.state_dict().values()):
-        assert torch.equal(x, y), name
 
 
 @pytest.mark.parametrize("zoo_name", sorted(ZOO))
@@ -30,7 +24,7 @@ def test_zoo_matches_eager_and_the_bits_without_it(zoo_name):
     on = run_side_by_side(zoo_name, "adam", steps=3, strategy=_strategy(True), measure_memory=True)
     off = run_side_by_side(zoo_name, "adam", steps=3, strategy=_strategy(False), measure_memory=True)
     on.assert_same()
-    _assert_identical(on, off)
+    on.assert_compiled_identical(off)
     assert on.trainer.report().stats["inplace_pointwise"]["ops_in_place"] > 0
     assert "build_strategy.enable_inplace" not in on.trainer.report().skipped
     planned_on, planned_off = on.trainer.memory_stats(), off.trainer.memory_stats()
@@ -57,5 +51,5 @@ def test_gpt_with_dropout_keeps_its_bits_combined_with(combination):
     off = run_side_by_side("gpt", "sgd", steps=steps, strategy=_strategy(False, **fields))
     if combination != "gradient_merge":  # eager updates every step; merged training matches eager accumulation,
         on.assert_same()                 # which tests/passes/test_gradient_merge.py checks for the run without it
-    _assert_identical(on, off)
+    on.assert_compiled_identical(off)
     assert on.trainer.report().stats["inplace_pointwise"]["ops_in_place"] > 0

@@ -29,11 +29,6 @@ def _strategy(reuse: bool, **fields) -> fleetc.DistributedStrategy:
     return strategy
 
 
-def _assert_identical(a, b) -> None:
-    for step, (x, y) in enumerate(zip(a.compiled_losses, b.compiled_losses)):
-        assert torch.equal(x, y), f"loss of step {step}"
-    for (name, x), y in zip(a.compiled_model.state_dict().items(), b.compiled_model.state_dict().values()):
-        assert torch.equal(x, y), name
 
 
 def _reused(trainer: fleetc.CompiledTrainer) -> int:
@@ -45,7 +40,7 @@ def test_zoo_matches_eager_and_the_bits_without_it(zoo_name):
     on = run_side_by_side(zoo_name, "adam", steps=3, strategy=_strategy(True), measure_memory=True)
     off = run_side_by_side(zoo_name, "adam", steps=3, strategy=_strategy(False), measure_memory=True)
     on.assert_same()
-    _assert_identical(on, off)
+    on.assert_compiled_identical(off)
     assert (_reused(on.trainer) > 0) == (zoo_name in REUSING)
     assert ("reuse_buffers" in on.trainer.report().skipped) == (zoo_name not in REUSING)
     planned_on, planned_off = on.trainer.memory_stats(), off.trainer.memory_stats()
@@ -92,7 +87,7 @@ def test_gpt_with_dropout_keeps_its_bits_combined_with(combination):
     off = run_side_by_side("gpt", "sgd", steps=steps, strategy=_strategy(False, **off_fields))
     if combination != "gradient_merge":  # merged training matches eager accumulation, which
         on.assert_same()                 # tests/passes/test_gradient_merge.py checks for the run without it
-    _assert_identical(on, off)
+    on.assert_compiled_identical(off)
     assert _reused(on.trainer) > 0
 
 

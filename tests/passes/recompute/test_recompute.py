@@ -27,12 +27,6 @@ def _config(**configs):
     return resolve_conflicts(resolve_strategy(_strategy(**configs)))[0]
 
 
-def _assert_identical(a, b) -> None:
-    """Recompute re-runs the same kernels on the same values, so results are bit-identical, not just close."""
-    for step, (x, y) in enumerate(zip(a.compiled_losses, b.compiled_losses)):
-        assert torch.equal(x, y), f"loss of step {step}: {x} vs {y}"
-    for (name, x), y in zip(a.compiled_model.state_dict().items(), b.compiled_model.state_dict().values()):
-        assert torch.equal(x, y), name
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +40,7 @@ def gpt_off():
 def test_gpt_with_dropout_matches_eager_and_recompute_off(gpt_off, checkpoints):
     run = run_side_by_side("gpt", "sgd", steps=2, strategy=_strategy(checkpoints=checkpoints), measure_memory=True)
     run.assert_same()
-    _assert_identical(run, gpt_off)
+    run.assert_compiled_identical(gpt_off)
     stats = run.trainer.history["recompute"].report.stats
     assert stats["ops_recomputed"] > 0 and stats["dropouts_replayed"] > 0
     assert stats["peak_bytes_after"] < stats["peak_bytes_before"]
@@ -257,7 +251,7 @@ def test_gpt_under_amp_with_recompute_equals_amp_without_it():
     with_recompute = run_side_by_side("gpt", "sgd", steps=3, strategy=amp(checkpoints=["layers.0", "layers.1"]))
     without = run_side_by_side("gpt", "sgd", steps=3, strategy=amp())
     assert with_recompute.trainer.history["recompute"].report.stats["dropouts_replayed"] > 0
-    _assert_identical(with_recompute, without)
+    with_recompute.assert_compiled_identical(without)
 
 
 def test_composes_with_gradient_merge():
