@@ -12,7 +12,10 @@ buffer, after their last use; the backward gathers again. A foreign parameter's 
 rank holds no copy of it between steps.
 
 Prefetch: bucket i+1's gather is issued right after bucket i's wait, so it is in flight while bucket i's
-ops run (compiler-based FSDP's order; each decision is an op in the Program, visible in dump-ir).
+ops run (compiler-based FSDP's order; each decision is an op in the Program, visible in dump-ir). The
+backward's first bucket is issued right after the forward's last bucket's wait, so it is in flight during the
+end of the forward, the loss and the backward's first ops: at most two gathered buckets are live at a time
+(the one in use and the one prefetched) there as everywhere else.
 A forward view of a parameter that the backward reads (the transposed weight saved for the backward) is
 replayed in the backward from the backward's gather, so nothing gathered in the forward outlives it.
 """
@@ -52,6 +55,7 @@ def shard_parameters(program: Program, owners: dict[str, int], degree: int, rank
     phases = [(0, first_backward), (first_backward, len(block.ops))]
     cap = config.sharding_configs.segment_broadcast_MB * MB
     inserts: dict[int, list[Op]] = {}
+    previous_wait: list[Op] | None = None  # carried into the backward: its first bucket is prefetched too
     for (suffix, role), (lo, hi) in zip(_PHASES, phases):
         first_use: dict[str, int] = {}
         for index in range(lo, hi):
@@ -67,13 +71,13 @@ def shard_parameters(program: Program, owners: dict[str, int], degree: int, rank
                                len(order))
         buckets.sort(key=lambda b: min(first_use[p] for p in b.grads))
         renames: dict[str, str] = {}
-        previous_wait: list[Op] | None = None
         for bucket in buckets:
             names = sorted(bucket.grads, key=lambda p: first_use[p])
             at = min(first_use[p] for p in names)
             start, wait = _gather(program, block, ShardedBucket.of(names, owners, sizes, degree), degree, rank,
                                   suffix, role, renames, report)
-            # prefetch: issued right after the previous bucket's views, so it overlaps that bucket's compute
+            # prefetch: issued right after the previous bucket's views, so it overlaps that bucket's compute (the
+            # backward's first bucket: right after the forward's last, overlapping it, the loss and the first grads)
             (previous_wait if previous_wait is not None else inserts.setdefault(at, [])).append(start)
             inserts.setdefault(at, []).extend(wait)
             previous_wait = inserts[at]

@@ -8,6 +8,7 @@ from fleetc.comm.mesh import ProcessMesh
 from fleetc.comm.plan import collective_plan
 from fleetc.fleet.trainer import sharding_metadata
 from fleetc.ir.liveness import block_reads
+from fleetc.ir.printer import format_program
 from fleetc.ir.program import OpRole, VarKind
 from fleetc.passes.sharding.param_sharding import (
     GATHER_START,
@@ -47,6 +48,18 @@ def test_every_rank_gathers_alike_and_reads_only_what_it_holds_or_gathered(segme
         starts = [i for i, op in enumerate(ops) if op.type == GATHER_START]
         waits = [i for i, op in enumerate(ops) if op.type == GATHER_WAIT]
         assert len(starts) == len(waits) == history["sharding"].report.stats["param_gather_buckets"]
+        # the backward's first bucket is prefetched: issued right after the forward's last bucket arrived, so it is
+        # in flight during the end of the forward and the loss (compute between its issue and its wait), and it is
+        # there in the printed Program (dump-ir) before the first backward op
+        wait_of = {ops[w].args[0].name: w for w in waits}  # a start's work Var → the index of its wait
+        first_bw_start = min(i for i in starts if wait_of[ops[i].outputs[0]] > first_backward)
+        first_bw_wait = wait_of[ops[first_bw_start].outputs[0]]
+        assert first_bw_start < first_backward < first_bw_wait
+        assert first_bw_start > max(w for w in waits if w < first_backward)
+        assert any(OpRole.FORWARD in op.role and OpRole.COLLECTIVE not in op.role
+                   for op in ops[first_bw_start:first_backward])
+        text = format_program(final)
+        assert text.index(ops[first_bw_start].name) < text.index(ops[first_backward].name)
         if segment_mb < 1:  # many buckets: each issued after the previous bucket's wait and before its own
             assert len(starts) > 4
             assert all(waits[i] < starts[i + 1] < waits[i + 1] for i in range(len(starts) - 1))
