@@ -1,9 +1,11 @@
 """Optimizer state under sharding: each rank keeps only its parameters' entries; checkpoints hold all of them.
 
 A checkpoint holds one optimizer file per shard, each written by a rank that holds it, through the crash-safe
-commit (one version, committed by the first rank after all shards are in). Loading merges every shard back into
-one `optimizer.state_dict()`, so a checkpoint loads into any number of ranks and into a single process; after a
-load or a compile each rank drops the entries of parameters it does not own (resharding to the new plan).
+commit (one version, committed by the first rank after all shards are in); the manifest lists the parameter indices
+each file holds. Loading merges the shards back into one `optimizer.state_dict()`, so a checkpoint loads into any
+number of ranks and into a single process; after a load or a compile each rank drops the entries of parameters it
+does not own (resharding to the new plan). A rank that already knows what it owns (its training step is compiled)
+reads only the shard files holding some of it (`owned_indices`).
 """
 from __future__ import annotations
 
@@ -35,20 +37,22 @@ def save_sharded_checkpoint(root: str, live: TrainerState, config: Any, rng: lis
     path, problem = host.gather_objects((staged.path if staged else None, problem),
                                         "checkpoint (staging a version)")[0]
     name = SHARD_FILE.format(shard_index)
+    entries = live.optimizer.state_dict()["state"]
     if problem is None and writes_shard:
         try:
-            checkpoint_commit.StagedVersion(root, 0, path).write(name, live.optimizer.state_dict()["state"])
+            checkpoint_commit.StagedVersion(root, 0, path).write(name, entries)
         except OSError as exc:
             problem = f"rank {env.rank()} writing {name}: {type(exc).__name__}: {exc}"
-    written = host.gather_objects((name if writes_shard else None, problem), "checkpoint (writing shards)")
-    problems = [p for _, p in written if p is not None]
+    written = host.gather_objects((name if writes_shard else None, sorted(entries), problem),
+                                  "checkpoint (writing shards)")
+    problems = [p for _, _, p in written if p is not None]
     result = ""
     if env.rank() == 0 and staged is not None:
         if problems:
             staged.abort()
         else:
             try:
-                result = write_checkpoint(staged, live, config, rng, sorted({n for n, _ in written if n}))
+                result = write_checkpoint(staged, live, config, rng, {n: held for n, held, _ in written if n})
             except (OSError, CheckpointError) as exc:
                 problems.append(f"{type(exc).__name__}: {exc}")
     result, problems = host.gather_objects((result, problems), "checkpoint (waiting for the commit)")[0]
@@ -71,3 +75,13 @@ def owned_parameters(metadata: dict[str, Any]) -> set[str] | None:
     """The parameters a compiled Program's rank owns under sharding (None: not sharded)."""
     sharding = metadata.get("sharding")
     return set(sharding["owned"]) if sharding and "owned" in sharding else None
+
+
+def owned_indices(optimizer: torch.optim.Optimizer | None, model: nn.Module, owned: set[str] | None) -> set[int] | None:
+    """The positions (as `optimizer.state_dict()` numbers parameters) of the parameters this rank owns; None when
+    that is not known yet (no compiled training step) or there is no optimizer: then every shard is needed."""
+    if optimizer is None or owned is None:
+        return None
+    mine = {id(p) for name, p in model.named_parameters() if name in owned}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return {index for index, p in enumerate(params) if id(p) in mine}

@@ -17,7 +17,7 @@ from fleetc.compiler import CompiledStep, CompiledTrainer
 from fleetc.errors import CheckpointError
 from fleetc.fleet.pipeline_state import gather_stage_state
 from fleetc.fleet.sharded_params import ShardedParameters, sharded_parameters, whole
-from fleetc.fleet.sharded_state import drop_foreign_state, owned_parameters, save_sharded_checkpoint
+from fleetc.fleet.sharded_state import drop_foreign_state, owned_indices, owned_parameters, save_sharded_checkpoint
 from fleetc.fleet.sharding_memory import per_rank_bytes
 from fleetc.ir.program import Program
 from fleetc.passes.manager import History
@@ -216,7 +216,8 @@ class DataParallelTrainer(CompiledTrainer):
             if failed:
                 raise CheckpointError(f"checkpoint {dirname!r} does not fit rank {failed[0][0]}: {failed[0][1]}")
         with whole(self._sharded_params):  # stage 3: the checkpoint's whole parameters, then this rank's again
-            loaded = load_checkpoint(dirname, self._live_state(), self.config, agree)
+            loaded = load_checkpoint(dirname, self._live_state(), self.config, agree,
+                                     owned_indices(self.optimizer, self.model, self._owned))
         if self._owned is not None:  # the checkpoint holds every parameter's state: keep this rank's
             drop_foreign_state(self.optimizer, self.model, self._owned)
         return loaded

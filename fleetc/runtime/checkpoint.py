@@ -205,10 +205,11 @@ def save_checkpoint(root: str, state: TrainerState, config: Any, rng: list[dict[
 
 
 def write_checkpoint(staged: checkpoint_commit.StagedVersion, state: TrainerState, config: Any,
-                     rng: list[dict[str, Any]], optimizer_shards: list[str] = ()) -> str:
+                     rng: list[dict[str, Any]], optimizer_shards: Mapping[str, list[int]] | None = None) -> str:
     """Write the trainer's files into `staged` and commit it (or abort it). `optimizer_shards`: files other writers
-    (sharding ranks) put into the staged version, each holding some entries of `optimizer.state_dict()["state"]`;
-    `optimizer.pt` then holds the param groups only, and loading merges the shards back."""
+    (sharding ranks) put into the staged version, each holding some entries of `optimizer.state_dict()["state"]`
+    (file → the parameter indices of its entries, recorded in the manifest so a loader can skip the files it does
+    not need); `optimizer.pt` then holds the param groups only, and loading merges the shards back."""
     try:
         staged.write("model.pt", state.model.state_dict())
         optimizer = state.optimizer.state_dict() if state.optimizer is not None else {}
@@ -217,23 +218,34 @@ def write_checkpoint(staged: checkpoint_commit.StagedVersion, state: TrainerStat
         meta = {"optimizer": type(state.optimizer).__name__ if state.optimizer is not None else None,
                 "strategy_state": strategy_state(config)}
         if optimizer_shards:
-            meta["optimizer_shards"] = list(optimizer_shards)
+            meta["optimizer_shards"] = sorted(optimizer_shards)
+            meta["optimizer_shard_params"] = {name: sorted(optimizer_shards[name]) for name in meta["optimizer_shards"]}
         return staged.commit(meta)
     except BaseException:
         staged.abort()
         raise
 
 
+def _needed_shards(meta: Mapping[str, Any], wanted: set[int] | None) -> list[str]:
+    """The optimizer shard files to read: all of them, or (`wanted`) those holding state of a wanted parameter
+    (a file the manifest gives no parameter list for is read: a checkpoint written before the lists existed)."""
+    held = meta.get("optimizer_shard_params", {})
+    return [name for name in meta.get("optimizer_shards", ())
+            if wanted is None or name not in held or wanted.intersection(held[name])]
+
+
 def load_checkpoint(root: str, state: TrainerState, config: Any,
-                    agree: Callable[[str | None], None] | None = None) -> str:
+                    agree: Callable[[str | None], None] | None = None, wanted: set[int] | None = None) -> str:
     """Check every file of the checkpoint at `root` against the trainer, then restore it all (or raise
     CheckpointError and change nothing); returns the version directory read. `agree(problem or None)` runs
-    between checking and restoring: data parallel makes every rank agree there, so all restore or none does."""
+    between checking and restoring: data parallel makes every rank agree there, so all restore or none does.
+    `wanted`: the optimizer's parameter indices whose state this loader keeps (a sharding rank's own); optimizer
+    shard files the manifest lists with none of them are not read (None: every file is)."""
     checked, problem = None, None
     try:
         version = checkpoint_commit.open_latest(root, FILES)
         model_state, optimizer_state, owned_state = (version.read(name) for name in FILES)
-        for shard in version.meta.get("optimizer_shards", ()):  # written one file per sharding rank
+        for shard in _needed_shards(version.meta, wanted):  # written one file per sharding rank
             optimizer_state["state"].update(version.read(shard))
         where = {name: f"{version.path}/{name}" for name in FILES}
         check_model_state(model_state, state.model, where["model.pt"])

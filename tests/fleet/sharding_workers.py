@@ -15,6 +15,7 @@ import fleetc.fleet as fleet
 from fleetc import CollectiveError
 from fleetc.ir import registry
 from fleetc.passes.sharding.optimizer_sharding import RS_START
+from fleetc.runtime import checkpoint_commit
 from fleet.workers import global_batches, make_model, make_strategy, shard, train_with_trainer
 
 
@@ -55,7 +56,9 @@ def train_sharded(rank: int, args: dict, out_dir: str) -> None:
 
 def checkpoint_round_trip(rank: int, args: dict, out_dir: str) -> None:
     """`save`: train 2 steps, checkpoint, train a third; `load`: a fresh model and optimizer resume from the
-    checkpoint and train the third step. mlp with Adam, sharded by `args["strategy"]`."""
+    checkpoint and train the third step (`step_before_load`: after a first step that compiles, so the rank knows
+    what it owns when it loads). mlp with Adam, sharded by `args["strategy"]`. Records the optimizer shard files
+    each load read."""
     fleet.init(is_collective=True)
     world = fleet.worker_num()
     batches = global_batches("mlp", 3)
@@ -76,7 +79,17 @@ def checkpoint_round_trip(rank: int, args: dict, out_dir: str) -> None:
         out["continued"] = trainer.full_state_dict()
     if args.get("load"):
         model, trainer = build(rank + 1)
+        if args.get("step_before_load"):
+            trainer.step(*shard(batches[0], rank, world))
+        read = checkpoint_commit.CheckpointVersion.read
+        out["shards_read"] = []
+
+        def recording(version, name):
+            out["shards_read"] += [name] if name.startswith("optimizer.shard") else []
+            return read(version, name)
+        checkpoint_commit.CheckpointVersion.read = recording
         trainer.load_checkpoint(args["load"])
+        checkpoint_commit.CheckpointVersion.read = read
         trainer.step(*shard(batches[2], rank, world))
         out["resumed"] = trainer.full_state_dict()
         out["state_elements"] = optimizer_state_elements(trainer)
