@@ -3,22 +3,23 @@
 `find_repeated_blocks` (repeated_blocks.py) says which numbered sibling modules read alike. A pass that plans once
 per distinct block and applies the plan to every copy (issue 25) needs more: for each copy, the name in the copy
 of every name the reference block uses, and the certainty that the two blocks match position by position. Here
-every copy whose canonical form equals its reference's is walked beside the reference: same op types, the same
-argument structure and constants, outputs of the same shape, dtype, device and kind, the same fetched values, and
-a one-to-one correspondence of names. A copy that fails any check is left out (its pass matches it as usual).
+each block is walked beside a reference block (`correspond`): same op types, roles and attributes, the same
+argument structure and constants, Vars of the same shape, dtype, device and kind, the same fetched values, and a
+one-to-one correspondence of names. A block that matches no earlier block is a reference of its own; one with no
+copy is left out (its pass matches it as usual). The walk is done by each pass that reuses plans, on the Program
+it is given: earlier passes may have changed any block.
 
 Reuse is on by default; `FLEETC_BLOCK_REUSE=0` turns it off, so tests can assert that a Program built with reuse
 prints exactly as one built without it.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from fleetc.ir.program import Op, Program, Ref
-from fleetc.ir.repeated_blocks import _forms, _instance
+from fleetc.ir.repeated_blocks import _instance
 
 REUSE_ENV = "FLEETC_BLOCK_REUSE"
 
@@ -70,25 +71,41 @@ def _var_alike(program: Program, a: str, b: str, fetched: set[str]) -> bool:
             and (a in fetched) == (b in fetched))
 
 
-def correspond(program: Program, reference: list[Op], copy: list[Op]) -> dict[str, str] | None:
-    """reference name → copy name when the two op lists match position by position (types, argument structure
-    and constants, output types, fetched values, `forward_op` pointing at the same position), else None."""
-    if len(reference) != len(copy):
+def _attrs_alike(a: Op, b: Op, own: tuple[str, str], op_names: dict[str, str]) -> bool:
+    """The same attributes, strings read relative to the block (module paths, Vars named after it, ops of it by
+    their position); `fused_from` (names of ops a fusion removed) says where an op came from, not what it does."""
+    if a.attrs.keys() != b.attrs.keys():
+        return False
+    for key, x in a.attrs.items():
+        y = b.attrs[key]
+        if key == "fused_from" or x == y:
+            continue
+        if not (isinstance(x, str) and isinstance(y, str)):
+            return False
+        if op_names.get(x, x.replace(own[0], own[1], 1)) != y:
+            return False
+    return True
+
+
+def correspond(program: Program, reference: tuple[str, list[Op]], copy: tuple[str, list[Op]]) -> dict[str, str] | None:
+    """reference name → copy name when the two blocks' ops (instance, ops) match position by position: op types,
+    roles and attributes, argument structure and constants, a one-to-one pairing of the Vars they name, of the
+    same shape, dtype, device and kind, fetched alike; else None."""
+    (ref_instance, ref_ops), (instance, ops) = reference, copy
+    if len(ref_ops) != len(ops):
         return None
     names: dict[str, str] = {}
-    op_names = {a.name: b.name for a, b in zip(reference, copy)}
+    op_names = {a.name: b.name for a, b in zip(ref_ops, ops)}
+    own = (ref_instance, instance)
     fetched = set(program.fetches.values())
-    for a, b in zip(reference, copy):
-        if a.type != b.type or len(a.outputs) != len(b.outputs) or a.role != b.role:
+    for a, b in zip(ref_ops, ops):
+        if a.type != b.type or len(a.outputs) != len(b.outputs) or not _attrs_alike(a, b, own, op_names):
             return None
         if not (_pair(a.args, b.args, names) and _pair(a.kwargs, b.kwargs, names)):
             return None
         for x, y in zip(a.outputs, b.outputs):
             if (x is None) != (y is None) or (x is not None and names.setdefault(x, y) != y):
                 return None
-        forward = a.attrs.get("forward_op")
-        if forward is not None and op_names.get(forward, forward) != b.attrs.get("forward_op"):
-            return None
     if len(set(names.values())) != len(names):
         return None  # two reference values would share one in the copy
     if not all(_var_alike(program, a, b, fetched) for a, b in names.items()):
@@ -97,8 +114,8 @@ def correspond(program: Program, reference: list[Op], copy: list[Op]) -> dict[st
 
 
 def find_block_copies(program: Program) -> BlockCopies:
-    """Group the global block's numbered sibling blocks by canonical form, and keep each copy that `correspond`s
-    with its group's first member."""
+    """Group the global block's numbered sibling blocks: each block is a copy of the first earlier block it
+    `correspond`s with (the last one matched is tried first), or a reference of its own."""
     found = BlockCopies()
     blocks: dict[str, dict[str, list[tuple[int, Op]]]] = {}
     for position, op in enumerate(program.global_block.ops):
@@ -108,28 +125,25 @@ def find_block_copies(program: Program) -> BlockCopies:
     for instances in blocks.values():
         if len(instances) < 2:
             continue
-        by_form: dict[str, list[str]] = {}
+        groups: dict[str, dict[str, dict[str, str]]] = {}  # reference → {member: reference name → its name}
         for instance, entries in instances.items():
-            forms = _forms(program, instance, [op for _, op in entries])
-            by_form.setdefault(hashlib.sha256("\n".join(forms).encode()).hexdigest(), []).append(instance)
-        for group in by_form.values():
-            if len(group) >= 2:
-                _add_group(found, program, instances, group)
+            ops = [op for _, op in entries]
+            for reference in sorted(groups, key=lambda r: -len(groups[r])):
+                names = correspond(program, (reference, [op for _, op in instances[reference]]), (instance, ops))
+                if names is not None:
+                    groups[reference][instance] = names
+                    break
+            else:
+                groups[instance] = {instance: {n: n for op in ops for n in op.inputs + op.defined}}
+        for reference, members in groups.items():
+            if len(members) >= 2:
+                _add_group(found, instances, reference, members)
     return found
 
 
-def _add_group(found: BlockCopies, program: Program, instances: dict[str, list[tuple[int, Op]]],
-               group: list[str]) -> None:
-    reference, *copies = group
-    reference_ops = [op for _, op in instances[reference]]
-    verified = {reference: {n: n for op in reference_ops for n in op.inputs + op.defined}}
-    for copy in copies:
-        names = correspond(program, reference_ops, [op for _, op in instances[copy]])
-        if names is not None:
-            verified[copy] = names
-    if len(verified) < 2:
-        return
-    for instance, names in verified.items():
+def _add_group(found: BlockCopies, instances: dict[str, list[tuple[int, Op]]], reference: str,
+               members: dict[str, dict[str, str]]) -> None:
+    for instance, names in members.items():
         entries = instances[instance]
         found.reference[instance] = reference
         found.slots[instance] = [position for position, _ in entries]
