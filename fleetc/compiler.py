@@ -243,6 +243,8 @@ class CompiledTrainer:
         report.compile_seconds = time.perf_counter() - start
         report.cache = list(self.compile_cache.lines)
         report.repeated_blocks = [group.line() for group in find_repeated_blocks(program)]
+        report.repeated_blocks += [f"{record.name}: {line}" for record in history[1:]
+                                   for line in record.report.reused_blocks]
         report.kernels = executable.kernel_usage
         leaves = tree_flatten((args, kwargs))[0]
         accumulates = self.optimizer is None and kind == "train"  # into p.grad, across steps

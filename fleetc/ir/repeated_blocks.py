@@ -21,6 +21,7 @@ from fleetc.ir.program import Op, Program, Ref, map_refs
 
 _NUMBERED = re.compile(r"^((?:.*?\.)?)(\d+)(?:\.|$)")  # the outermost numbered component of a module path
 BLOCK = "<block>"
+_UNCOMPARED = ("provenance", "fused_from")  # where an op came from, not what it does (names of removed ops)
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ class _Canonical:
         return value.replace(self.own, BLOCK + ".", 1)  # `param`: a Var named after the block
 
     def op(self, position: int, op: Op) -> tuple:
-        attrs = {k: self._attr(k, v) for k, v in sorted(op.attrs.items()) if k != "provenance"}
+        attrs = {k: self._attr(k, v) for k, v in sorted(op.attrs.items()) if k not in _UNCOMPARED}
         self.op_position[op.name] = position
         form = (op.type, map_refs(op.args, self.ref), map_refs(op.kwargs, self.ref), repr(attrs),
                 tuple(None if o is None else self._type(o) for o in op.outputs))

@@ -16,6 +16,7 @@ class PassReport:
     stats: dict[str, int] = field(default_factory=dict)
     skipped_reason: str | None = None
     notes: list[str] = field(default_factory=list)
+    reused_blocks: list[str] = field(default_factory=list)  # "30 of 31 blocks like … reused one plan", per group
 
     def count(self, key: str, n: int = 1) -> None:
         self.stats[key] = self.stats.get(key, 0) + n

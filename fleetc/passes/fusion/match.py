@@ -12,10 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from fleetc.ir.block_copies import find_block_copies, reuse_enabled
 from fleetc.ir.program import Block, Op, OpRole, Program, Var, VarKind
 from fleetc.ir.usedef import Names, UseDef
 from fleetc.passes.base import PassReport
 from fleetc.passes.cleanup.dce import drop_unused_temporaries
+from fleetc.passes.fusion.reuse import FusionPlans, Watch
 
 
 class BlockIndex(UseDef):
@@ -30,26 +32,52 @@ class BlockIndex(UseDef):
         self.fetched = set(program.fetches.values())
         self.by_forward = by_forward  # program-wide: forward op name → the backward ops naming it
         self.names = names  # fused ops get fresh names
+        self.watch: Watch | None = None  # while a matcher runs on a repeated block's op (fusion/reuse.py)
 
     def var(self, name: str) -> Var:
         """The Var `name` as this block sees it (its own, or an ancestor block's)."""
+        if self.watch:
+            self.watch.name(self, name)
         return self.program.var(name, self.block.idx)
+
+    def readers_of(self, name: str) -> list[Op]:
+        """The ops reading `name`."""
+        readers = self.readers.get(name, [])
+        if self.watch:
+            self.watch.name(self, name)
+            self.watch.ops(readers)
+        return readers
+
+    def definer(self, name: str) -> Op | None:
+        op = super().definer(name)
+        if self.watch:
+            self.watch.name(self, name)
+            self.watch.ops([op])
+        return op
 
     def next_in_chain(self, name: str) -> Op | None:
         """The one non-backward op reading a temporary, when every other reader is a backward op (which then
         reads the value from the fused op's extra output) and no fetch needs it; else None."""
         if name in self.fetched or self.var(name).kind is not VarKind.TEMP:
             return None
-        forward = [op for op in self.readers.get(name, []) if OpRole.BACKWARD not in op.role]
+        forward = [op for op in self.readers_of(name) if OpRole.BACKWARD not in op.role]
         return forward[0] if len(forward) == 1 else None
 
     def read_outside(self, name: str, group: list[Op]) -> bool:
+        if self.watch:
+            self.watch.name(self, name)
+            self.watch.ops(group)
         members = {op.name for op in group}
         return name in self.fetched or any(r.name not in members for r in self.readers.get(name, []))
 
     def backward_of(self, forward_name: str) -> list[Op]:
         """The live ops differentiating `forward_name` (dead ones, e.g. an unused input grad, are DCE's job)."""
         ops = [op for op in self.by_forward.get(forward_name, []) if self.live(op)]
+        if self.watch:
+            self.watch.ops(ops)
+            for op in ops:
+                for name in op.defined:
+                    self.watch.name(self, name)
         return sorted((op for op in ops if any(n in self.fetched or self.readers.get(n) or self.var(n).persistable
                                                for n in op.defined)), key=lambda op: self.position[op.name])
 
@@ -140,8 +168,12 @@ def fuse_forward_and_backward(program: Program, report: PassReport, pass_name: s
         if "forward_op" in op.attrs:
             by_forward.setdefault(op.attrs["forward_op"], []).append(op)
     for block in program.blocks:
+        copies = find_block_copies(program) if block.idx == 0 and reuse_enabled() else None
+        plans = FusionPlans(copies) if copies and copies.reference else None
         groups = _fuse_block(BlockIndex(program, block, by_forward, names), report, pass_name, match_forward,
-                             match_backward, block_of)
+                             match_backward, block_of, plans)
+        if plans is not None:
+            report.reused_blocks += plans.lines()
         if groups and block.idx != 0:
             report.notes.append(f"block {block.idx}: {groups} forward group(s) fused inside the sub-block")
         report.changed |= groups > 0
@@ -149,16 +181,33 @@ def fuse_forward_and_backward(program: Program, report: PassReport, pass_name: s
         drop_unused_temporaries(program)
 
 
+def _apply(index: BlockIndex, fusion: Fusion, pass_name: str, plans: FusionPlans | None) -> str | None:
+    """apply_fusion, with the repeated-block plans told what it touched and whether it succeeded."""
+    if plans is None:
+        return apply_fusion(index, fusion, pass_name)
+    plans.before_apply(index, fusion)
+    why = apply_fusion(index, fusion, pass_name)
+    plans.after_apply(fusion, why is None)
+    return why
+
+
 def _fuse_block(index: BlockIndex, report: PassReport, pass_name: str, match_forward: Matcher,
-                match_backward: BackwardMatcher | None, block_of: dict[str, int]) -> int:
-    """Fuse one block's forward groups and their backward groups in that block; returns the forward groups fused."""
+                match_backward: BackwardMatcher | None, block_of: dict[str, int],
+                plans: FusionPlans | None = None) -> int:
+    """Fuse one block's forward groups and their backward groups in that block; returns the forward groups fused.
+    With `plans`, the matchers' answers for copies of a repeated block are reused (fusion/reuse.py)."""
     block = index.block
     fused_forward: list[Op] = []
     i = 0
     while i < len(index.slots):
         op = index.slots[i]
-        fusion = match_forward(index, op) if op is not None else None
-        if fusion is not None and apply_fusion(index, fusion, pass_name) is None:
+        if op is None:
+            fusion = None
+        elif plans is None:
+            fusion = match_forward(index, op)
+        else:
+            fusion = plans.ask(index, i, op, "forward", lambda: match_forward(index, op))
+        if fusion is not None and _apply(index, fusion, pass_name, plans) is None:
             fused_forward.append(fusion.fused)
             block_of[fusion.fused.name] = block.idx
             report.count("forward_groups")
@@ -166,15 +215,20 @@ def _fuse_block(index: BlockIndex, report: PassReport, pass_name: str, match_for
             continue  # slot i now holds the fused op, or is empty when the fused op stands at the group's end
         i += 1
     for fwd in fused_forward:
-        backward = index.backward_of(fwd.name)
         elsewhere = sorted({block_of[op.name] for op in index.by_forward.get(fwd.name, [])} - {block.idx})
-        if (not backward and not elsewhere) or match_backward is None:
+        if match_backward is None:
             continue
         if elsewhere:  # a group never spans blocks
             why = f"backward ops in block(s) {elsewhere}, forward in block {block.idx}"
         else:
-            result = match_backward(index, fwd, backward)
-            why = result if isinstance(result, str) else apply_fusion(index, result, pass_name)
+            def ask(fwd: Op = fwd) -> Fusion | str | None:
+                backward = index.backward_of(fwd.name)
+                return match_backward(index, fwd, backward) if backward else None
+
+            result = ask() if plans is None else plans.ask(index, index.position[fwd.name], fwd, "backward", ask)
+            if result is None:
+                continue
+            why = result if isinstance(result, str) else _apply(index, result, pass_name, plans)
             if why is None:
                 block_of[result.fused.name] = block.idx
         if why is not None:

@@ -32,11 +32,11 @@ def _running_stat_writes(index: BlockIndex, bn: Op) -> list[Op] | None:
     writes = []
     for new, buffer in ((bn.outputs[3], bn.args[3]), (bn.outputs[4], bn.args[4])):
         value, chain = new, []
-        casts = [r for r in index.readers.get(new, []) if r.type == "aten._to_copy.default" and r.args[0] == Ref(new)]
+        casts = [r for r in index.readers_of(new) if r.type == "aten._to_copy.default" and r.args[0] == Ref(new)]
         if len(casts) == 1:
             chain.append(casts[0])
             value = casts[0].outputs[0]
-        assigns = [r for r in index.readers.get(value, []) if r.type == "fleetc.assign" and r.args[0] == buffer]
+        assigns = [r for r in index.readers_of(value) if r.type == "fleetc.assign" and r.args[0] == buffer]
         if len(assigns) != 1:
             return None
         writes += [*chain, assigns[0]]

@@ -27,6 +27,7 @@ from fleetc.ir.usedef import Names
 from fleetc.ir.symbolic import concrete_shape, hints, traced_sizes
 from fleetc.passes.base import PassReport
 from fleetc.passes.precision.amp_lists import AmpLists
+from fleetc.passes.precision.dtype_memo import DtypeMemo, Input
 from fleetc.passes.precision.loss_scaling import insert_loss_scaling
 from fleetc.passes.precision.master_weights import keep_master_weights
 
@@ -68,6 +69,7 @@ class _CastRewriter:
                 self.readers.setdefault(name, []).append(op)
         self.mode = FakeTensorMode(allow_non_fake_inputs=False)
         self.sizes, self.traced_sizes = hints(program), traced_sizes(program)  # a dynamic Program: at traced sizes
+        self.memo = DtypeMemo()
 
     def castable(self, name: str) -> bool:
         var = self.program.var(name)
@@ -110,15 +112,29 @@ class _CastRewriter:
         with self.mode:
             return torch.empty(concrete_shape(var.shape, self.sizes), dtype=getattr(torch, dtype), device=var.device)
 
+    def describe(self, name: str, dtype: str) -> Input:
+        """All that `fake(name, dtype)` depends on."""
+        var = self.program.var(name)
+        if var.shape is None:
+            return Input(None, var.dtype, var.device, self.traced_sizes.get(name, _SCALAR_STANDINS.get(var.dtype, 1)))
+        return Input(tuple(concrete_shape(var.shape, self.sizes)), dtype, var.device)
+
     def infer(self, op: Op, dtypes: dict[str, str], args: tuple, kwargs: dict) -> list | None:
-        """Output values of `op` with its inputs in `dtypes` (fake tensors), or None if it rejects them."""
-        to_fake = lambda r: self.fake(r.name, dtypes.get(r.name, self.program.var(r.name).dtype))  # noqa: E731
-        try:
-            with self.mode:
-                result = resolve_callable(op.type)(*map_refs(args, to_fake), **map_refs(kwargs, to_fake))
-        except Exception:  # noqa: BLE001 (any rejection means: run this op in float32 instead)
-            return None
-        return list(result) if isinstance(result, (tuple, list)) else [result]
+        """Output dtypes of `op` (None for a non-tensor output) with its inputs in `dtypes` (run on fake tensors),
+        or None if it rejects them; answered by an identical earlier op when there is one (dtype_memo.py)."""
+        dtype_of = lambda name: dtypes.get(name, self.program.var(name).dtype)  # noqa: E731
+
+        def run() -> list | None:
+            to_fake = lambda r: self.fake(r.name, dtype_of(r.name))  # noqa: E731
+            try:
+                with self.mode:
+                    result = resolve_callable(op.type)(*map_refs(args, to_fake), **map_refs(kwargs, to_fake))
+            except Exception:  # noqa: BLE001 (any rejection means: run this op in float32 instead)
+                return None
+            values = list(result) if isinstance(result, (tuple, list)) else [result]
+            return [v.dtype if isinstance(v, torch.Tensor) else None for v in values]
+
+        return self.memo.infer(op, args, kwargs, lambda name: self.describe(name, dtype_of(name)), run)
 
     # ----- the sweep --------------------------------------------------------------------------
     def outside_guard(self, op: Op) -> bool:
@@ -156,7 +172,7 @@ class _CastRewriter:
             for name in op.defined)
 
     def plan(self, op: Op) -> tuple[str, dict[str, str], tuple, dict, list]:
-        """Target dtype, input casts, args, kwargs and fake outputs for an aten op; float32 when low precision fails."""
+        """Target dtype, input casts, args, kwargs and output dtypes for an aten op; float32 when low precision fails."""
         for target in dict.fromkeys([self.target_dtype(op), FLOAT32]):
             casts = {n: target for n in op.inputs if self.castable(n) and self.program.var(n).dtype != target}
             args, kwargs = self._with_input_dtype(op, target), dict(op.kwargs)
@@ -193,9 +209,9 @@ class _CastRewriter:
                 self.report.count("reductions_accumulating_in_float32")
             op.args, op.kwargs = args, kwargs
             op.rename_inputs({n: self.cast(n, dtype, op, len(self.ops)) for n, dtype in casts.items()})
-            for name, value in zip(op.outputs, results):
-                if name is not None and isinstance(value, torch.Tensor):
-                    self.program.var(name).dtype = str(value.dtype).removeprefix("torch.")
+            for name, dtype in zip(op.outputs, results):
+                if name is not None and dtype is not None:
+                    self.program.var(name).dtype = str(dtype).removeprefix("torch.")
         if target == self.low:
             self.report.count(f"ops_in_{self.low}")
         self.ops.append(op)
@@ -252,7 +268,9 @@ class AutoMixedPrecision:
             low_params = _read_only_inside_guards(program, low_params)
             report.notes.append(f"use_fp16_guard: only the {len(guarded)} ops inside fleetc.fp16_guard regions run in "
                                 f"{low}; {len(low_params)} parameters only they read are kept in {low}")
-        _CastRewriter(program, lists, low, black_vars, report, low_params, guarded_only).run()
+        rewriter = _CastRewriter(program, lists, low, black_vars, report, low_params, guarded_only)
+        rewriter.run()
+        report.reused_blocks += rewriter.memo.lines()
         report.notes.append(f"low precision: {low}")
         keep_master_weights(program, low_params, report)
         insert_loss_scaling(program, cfg, report)

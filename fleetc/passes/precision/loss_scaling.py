@@ -7,6 +7,7 @@ from typing import Any
 
 from fleetc.capture.to_program import LOSS_VAR, grad_name
 from fleetc.ir.program import CONDITIONAL_BLOCK, Op, OpRole, Program, Ref, Var, VarKind
+from fleetc.ir.usedef import Names
 from fleetc.passes.base import PassReport
 
 LOSS_SCALING = "loss_scaling"
@@ -18,9 +19,9 @@ def _attrs(role: OpRole) -> dict:
     return {"op_role": int(role), "module_path": "", "provenance": "amp"}
 
 
-def _temp(program: Program, base: str, like: Var) -> str:
+def _temp(program: Program, names: Names, base: str, like: Var) -> str:
     """A new temporary with `like`'s shape, dtype and device."""
-    name = program.unique_name(base)
+    name = names.fresh(base)
     program.global_block.add_var(Var(name, like.shape, like.dtype, like.device))
     return name
 
@@ -37,11 +38,12 @@ def insert_loss_scaling(program: Program, cfg: Any, report: PassReport) -> None:
     device = program.var(seed).device
     for name, dtype in ((LOSS_SCALING, "float32"), (NUM_GOOD_STEPS, "int32"), (NUM_BAD_STEPS, "int32")):
         block.add_var(Var(name, (), dtype, device, VarKind.COUNTER))
+    names = Names(program)  # one scan: Program.unique_name rescans the Program per call (one per gradient)
 
-    scaled = _temp(program, f"{seed}@SCALED", program.var(seed))
+    scaled = _temp(program, names, f"{seed}@SCALED", program.var(seed))
     for op in block.ops[seed_index + 1:]:
         op.rename_inputs({seed: scaled})
-    block.ops.insert(seed_index + 1, Op(program.unique_name("scale_loss_grad"), "fleetc.scale_loss_grad",
+    block.ops.insert(seed_index + 1, Op(names.fresh("scale_loss_grad"), "fleetc.scale_loss_grad",
                                         (Ref(seed), Ref(LOSS_SCALING), float(cfg.init_loss_scaling)),
                                         outputs=[scaled, LOSS_SCALING], attrs=_attrs(OpRole.BACKWARD | OpRole.LOSS)))
 
@@ -50,23 +52,23 @@ def insert_loss_scaling(program: Program, cfg: Any, report: PassReport) -> None:
     inside = {n for op in updates for n in op.defined}  # a traced update's own temporaries are not gradients
     grads = list(dict.fromkeys(n for op in updates for n in op.inputs
                                if program.var(n).kind is VarKind.TEMP and n not in inside))
-    unscaled = [_temp(program, f"{g}@UNSCALED", program.var(g)) for g in grads]
-    found_inf = _temp(program, "found_inf", Var("", (1,), "float32", device))
-    finite = _temp(program, "grads_finite", Var("", (1,), "bool", device))
+    unscaled = [_temp(program, names, f"{g}@UNSCALED", program.var(g)) for g in grads]
+    found_inf = _temp(program, names, "found_inf", Var("", (1,), "float32", device))
+    finite = _temp(program, names, "grads_finite", Var("", (1,), "bool", device))
     for op in updates:
         op.rename_inputs(dict(zip(grads, unscaled)))
     sub = program.new_block(0)
     sub.ops = updates
     block.ops[first_update:] = [
-        Op(program.unique_name("check_finite_and_unscale"), "fleetc.check_finite_and_unscale",
+        Op(names.fresh("check_finite_and_unscale"), "fleetc.check_finite_and_unscale",
            ([Ref(g) for g in grads], Ref(LOSS_SCALING)), outputs=[*unscaled, found_inf], attrs=_attrs(OpRole.OPTIMIZE)),
-        Op(program.unique_name("grads_finite_check"), "aten.logical_not.default", (Ref(found_inf),), outputs=[finite],
+        Op(names.fresh("grads_finite_check"), "aten.logical_not.default", (Ref(found_inf),), outputs=[finite],
            attrs=_attrs(OpRole.OPTIMIZE)),
-        Op(program.unique_name("update_if_grads_finite"), CONDITIONAL_BLOCK, (Ref(finite),), outputs=[],
+        Op(names.fresh("update_if_grads_finite"), CONDITIONAL_BLOCK, (Ref(finite),), outputs=[],
            attrs={**_attrs(OpRole.OPTIMIZE), "sub_block": sub.idx}),
     ]
     if cfg.use_dynamic_loss_scaling:
-        block.ops.append(Op(program.unique_name("update_loss_scaling"), "fleetc.update_loss_scaling",
+        block.ops.append(Op(names.fresh("update_loss_scaling"), "fleetc.update_loss_scaling",
                             (Ref(found_inf), Ref(LOSS_SCALING), Ref(NUM_GOOD_STEPS), Ref(NUM_BAD_STEPS),
                              int(cfg.incr_every_n_steps), int(cfg.decr_every_n_nan_or_inf), float(cfg.incr_ratio),
                              float(cfg.decr_ratio)),
