@@ -233,9 +233,7 @@ class CompiledTrainer:
         final, history, report = self._optimize(program, time.perf_counter() - start)
         progress_stage("codegen")
         executable = Executable(final, measure_memory=self.measure_memory, cpu_kernels=self.cpu_kernels,
-                                num_threads=self.execution.threads,
-                                stored_step=self.compile_cache.step_loader(final, self.measure_memory))
-        self.compile_cache.store_step(executable.generated)
+                                num_threads=self.execution.threads)
         binding = StateBinding(final, self.model, self.optimizer, self.counters)
         # Observed after binding: amp use_pure_fp16 converts the parameters the guards record the dtype of.
         record = observe_guards(kind, self.model, self.optimizer, args, kwargs, program)

@@ -9,10 +9,7 @@ Modes (`fleetc.compile(..., compile_cache=...)`, default `$FLEETC_COMPILE_CACHE`
   (class and settings), the input signature and the strategy; a hit must also match the guard record observed
   now (module classes, parameter names, shapes, dtypes and requires_grad, param groups, hooks, inputs) and the
   live value of every module attribute the captured step read. Static captures only.
-- codegen (with either): the generated step function under the passes key, `measure_memory` and the ops with
-  CPU kernels, stored as data (source text and a recipe per global) and checked before it is compiled
-  (fleetc/runtime/step_check.py, `restore_step`): only the final Program's kernels, no other names or attributes.
-Programs are stored as JSON text inside the entry, so a key hashes exactly the text a hit decodes.
+Codegen is not cached: the generated Python is rebuilt from the Program, since nothing read from disk may run.
 Entries are JSON read by restricted decoders (store.py); each compile's outcome is a line in `report().cache`.
 """
 from __future__ import annotations
@@ -21,7 +18,7 @@ import dataclasses
 import json
 import os
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +42,6 @@ from fleetc.compile_cache.fingerprint import (
 )
 from fleetc.compile_cache.store import CompileCacheWarning, EntryStore
 from fleetc.runtime.guards import GuardRecord, input_key, observe_guards
-from fleetc.runtime.pycodegen import GeneratedStep, restore_step
 
 MODES = ("off", "passes", "capture")
 ENV_MODE = "FLEETC_COMPILE_CACHE"
@@ -142,14 +138,11 @@ class CompileCache:
         self.store = store if store is not None or self.mode == "off" else EntryStore()
         self.lines: list[str] = []
         self._text: tuple[Program, str] | None = None  # the latest captured Program and its JSON text
-        self._passes_key: str | None = None  # the latest compile's passes key: the generated step's key extends it
-        self._step_key: str | None = None  # the generated step's key when its lookup missed (store_step writes it)
 
     def begin(self) -> None:
         """A new compile: forget what the previous one found."""
         self.lines = []
         self._text = None
-        self._passes_key = self._step_key = None
 
     # ----- pass results ----------------------------------------------------------------------
     def passes_key(self, program: Program, config: Any, disable_passes: Iterable[str], recompute_policy: Any,
@@ -162,9 +155,8 @@ class CompileCache:
         except (TypeError, ValueError) as exc:
             self.lines.append(f"passes: not cacheable ({exc})")
             return None
-        self._passes_key = digest("passes", environment_fingerprint(), program_text,
-                                  _pass_options_fingerprint(config, disable_passes, recompute_policy, grad_clip))
-        return self._passes_key
+        return digest("passes", environment_fingerprint(), program_text,
+                      _pass_options_fingerprint(config, disable_passes, recompute_policy, grad_clip))
 
     def load_passes(self, key: str | None) -> CachedPasses | None:
         if key is None:
@@ -196,41 +188,6 @@ class CompileCache:
         except (TypeError, ValueError) as exc:
             self.lines[-1] += f", not stored ({exc})"
             return
-        self.lines[-1] += ", stored" if written else ", not stored (another process is writing it)"
-
-    # ----- the generated step --------------------------------------------------------------------
-    def step_loader(self, program: Program, measure_memory: bool
-                    ) -> Callable[[dict[str, Callable]], GeneratedStep | None] | None:
-        """For `Executable(stored_step=...)`: given the CPU backend's per-op callables, the generated step stored
-        for this compile's final `program` (keyed by the passes key, `measure_memory` and which ops have
-        callables), checked and rebuilt by `restore_step`; None (generate it) on a miss or a bad entry."""
-        if self._passes_key is None:
-            return None
-
-        def load(op_callables: dict[str, Callable]) -> GeneratedStep | None:
-            key = digest("step", self._passes_key, repr(measure_memory), repr(sorted(op_callables)))
-            payload = self.store.load("step", key)
-            restored = None
-            if payload is not None:
-                try:
-                    restored = restore_step(program, payload, op_callables)
-                except (KeyError, TypeError, ValueError) as exc:
-                    self._warn(f"entry step-{key}.json does not fit its Program ({type(exc).__name__}: {exc})")
-            self._step_key = None if restored else key
-            self.lines.append(f"codegen: {'hit, step not generated again' if restored else 'miss'} "
-                              f"(key {_short(key)})")
-            return restored
-        return load
-
-    def store_step(self, generated: GeneratedStep) -> None:
-        """Store the step generated after `step_loader`'s lookup missed."""
-        if self._step_key is None:
-            return
-        data = generated.to_data()
-        if data is None:
-            self.lines[-1] += ", not stored (a global JSON cannot hold)"
-            return
-        written = self.store.store("step", self._step_key, data)
         self.lines[-1] += ", stored" if written else ", not stored (another process is writing it)"
 
     # ----- captures --------------------------------------------------------------------------

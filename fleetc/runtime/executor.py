@@ -2,7 +2,7 @@
 measuring memory."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -26,14 +26,11 @@ class Executable:
     """
 
     def __init__(self, program: Program, *, measure_memory: bool = False, cpu_kernels: str | None = None,
-                 num_threads: int = 1, stored_step: Callable[[dict[str, Callable]], GeneratedStep | None] | None = None):
+                 num_threads: int = 1):
         self.program = program
         self.measure_memory = measure_memory
         self.cpu = prepare(program, resolve_mode(cpu_kernels))
-        # `stored_step(op_callables)`: the step as the compile cache kept it (None: generate it)
-        restored = stored_step(self.cpu.callables) if stored_step is not None else None
-        self.generated = restored or generate_step(program, measure_memory=measure_memory,
-                                                   op_callables=self.cpu.callables)
+        self.generated = generate_step(program, measure_memory=measure_memory, op_callables=self.cpu.callables)
         self._profiled: GeneratedStep | None = None
         self.scheduled = (ScheduledStep(program, num_threads, self.cpu.callables)
                           if num_threads > 1 and not measure_memory else None)

@@ -16,8 +16,6 @@ from fleetc.ir.constants import constant_value
 from fleetc.ir.liveness import last_use_index
 from fleetc.ir.program import CONDITIONAL_BLOCK, Block, Op, Program, Ref, VarKind
 from fleetc.ir.registry import resolve_callable
-from fleetc.ir.serialize import decode_value, encode_value
-from fleetc.runtime.step_check import check_step_source
 
 _SIMPLE = (bool, int, str, type(None))
 
@@ -52,15 +50,6 @@ class GeneratedStep:
     globals: dict[str, Any]
     fn: Callable
     op_at_line: dict[int, Op]
-    specs: dict[str, list] | None = None  # how each global was made, as JSON data (None: not storable)
-
-    def to_data(self) -> dict[str, Any] | None:
-        """The step as JSON data for the compile cache (`restore_step` reads it back), or None when a global
-        cannot be described as data (a profiled step, a constant JSON cannot hold)."""
-        if self.specs is None:
-            return None
-        return {"source": self.source, "globals": self.specs,
-                "op_at_line": [[line, op.name] for line, op in self.op_at_line.items()]}
 
     def failed_op(self, exc: BaseException) -> Op | None:
         """The op whose call raised `exc` inside this step, read from the traceback (nothing is tracked per op, so
@@ -81,7 +70,6 @@ class _Emitter:
         self.op_callables = op_callables
         self.lines: list[str] = []
         self.globals: dict[str, Any] = {}
-        self.specs: dict[str, list] | None = {}  # each global's recipe (to_data); None once one has none
         self.local_names: dict[str, str] = {}
         self.taken: set[str] = set()  # the identifiers in local_names' values (a set, so `local` stays O(1))
         self.kernel_names: dict[str, str] = {}
@@ -105,15 +93,7 @@ class _Emitter:
             return repr(value)
         name = f"c{len(self.globals)}"
         self.globals[name] = value
-        try:
-            self._spec(name, ["value", encode_value(value, name)])
-        except TypeError:
-            self.specs = None
         return name
-
-    def _spec(self, name: str, spec: list) -> None:
-        if self.specs is not None:
-            self.specs[name] = spec
 
     def expr(self, value: Any) -> str:
         if isinstance(value, Ref):
@@ -131,20 +111,17 @@ class _Emitter:
         if op.name in self.op_callables:
             name = "k_op_" + self.local(op.name)
             self.globals[name] = self.op_callables[op.name]
-            self._spec(name, ["op", op.name])
             return name
         op_type = op.type
         if op_type not in self.kernel_names:
             name = "k_" + re.sub(r"\W", "_", op_type)
             self.globals[name] = resolve_callable(op_type)
-            self._spec(name, ["type", op_type])
             self.kernel_names[op_type] = name
         return self.kernel_names[op_type]
 
     def emit_op(self, op: Op, block: Block, indent: str) -> None:
         if self.profile:
             self.globals["record_function"] = torch.profiler.record_function
-            self.specs = None  # profiled variants are made on demand, never stored
             self.lines.append(f"{indent}with record_function({profile_label(op)!r}):")
             indent += "    "
         if op.type == CONDITIONAL_BLOCK:
@@ -189,10 +166,9 @@ class _Emitter:
         self.lines.append("def step(state, feeds, mem):")
         for var in program.persistables():
             self.lines.append(f"    {self.local(var.name)} = state[{var.name!r}]")
-        constants = _constants(program)
+        constants = {v.name: constant_value(program, v) for v in program.all_vars() if v.kind is VarKind.CONSTANT}
         if constants:
             self.globals["constants"] = constants
-            self._spec("constants", ["constants"])
         for name in constants:
             self.lines.append(f"    {self.local(name)} = constants[{name!r}]")
         if program.feeds:
@@ -204,10 +180,6 @@ class _Emitter:
         fetches = ", ".join(f"{k!r}: {self.local(v)}" for k, v in program.fetches.items())
         self.lines.append(f"    return {{{fetches}}}")
         return "\n".join(self.lines) + "\n"
-
-
-def _constants(program: Program) -> dict[str, torch.Tensor]:
-    return {v.name: constant_value(program, v) for v in program.all_vars() if v.kind is VarKind.CONSTANT}
 
 
 def profile_label(op: Op) -> str:
@@ -229,42 +201,5 @@ def generate_step(program: Program, *, measure_memory: bool = False,
     emitter = _Emitter(program, measure_memory, op_callables or {}, profile)
     source = emitter.generate()
     namespace = dict(emitter.globals)
-    exec(compile(source, _filename(program), "exec"), namespace)
-    return GeneratedStep(source, emitter.globals, namespace["step"], emitter.op_at_line, emitter.specs)
-
-
-def _filename(program: Program) -> str:
-    return f"<fleetc step {program.metadata.get('kind', '')}>"
-
-
-def restore_step(program: Program, data: dict[str, Any], op_callables: dict[str, Callable] | None = None
-                 ) -> GeneratedStep:
-    """The GeneratedStep `to_data` described, for `program` (the one it was generated from), without emitting
-    it again. Nothing in `data` runs unchecked: kernels are resolved from the Program's own op types and ops,
-    values decoded by the Program's restricted decoder, and the source must pass `check_step_source` before it is
-    compiled. ValueError (StepSourceError) or KeyError/TypeError when `data` does not fit `program`."""
-    op_callables = op_callables or {}
-    ops = {op.name: op for _, op in program.walk_ops()}
-    types = {op.type for op in ops.values()}
-    source, specs = data["source"], data["globals"]
-    if not isinstance(source, str) or not isinstance(specs, dict):
-        raise TypeError("a stored step needs a source string and a globals object")
-    values: dict[str, Any] = {}
-    kernels: dict[str, Any] = {}
-    for name, spec in specs.items():
-        kind, arg = (spec + [None])[:2] if isinstance(spec, list) else (None, None)
-        if kind == "type" and arg in types:
-            kernels[name] = resolve_callable(arg)
-        elif kind == "op" and arg in op_callables:
-            kernels[name] = op_callables[arg]
-        elif kind == "value":
-            values[name] = decode_value(arg)
-        elif kind == "constants":
-            values[name] = _constants(program)
-        else:
-            raise ValueError(f"stored step global {name!r} is {spec!r}: not a kernel of this Program or a value")
-    code = compile(check_step_source(source, kernels, values), _filename(program), "exec")
-    namespace = {**kernels, **values}
-    exec(code, namespace)  # noqa: S102 - checked above: only the Program's kernels, on locals and values
-    op_at_line = {int(line): ops[name] for line, name in data["op_at_line"]}
-    return GeneratedStep(source, {**kernels, **values}, namespace["step"], op_at_line, dict(specs))
+    exec(compile(source, f"<fleetc step {program.metadata.get('kind', '')}>", "exec"), namespace)
+    return GeneratedStep(source, emitter.globals, namespace["step"], emitter.op_at_line)

@@ -78,9 +78,8 @@ def test_hits_train_like_eager_and_print_the_same(cache_dir, zoo):
     for name in ("gpt", "cnn"):
         cold = run_side_by_side(name, "adamw", compile_cache="capture")
         warm = run_side_by_side(name, "adamw", compile_cache="capture")
-        assert _outcome(cold.trainer) == {"capture": "miss", "passes": "miss", "codegen": "miss"}
-        assert _outcome(warm.trainer) == {"capture": "hit", "passes": "hit", "codegen": "hit"}
-        assert warm.trainer.generated_source() == cold.trainer.generated_source()
+        assert _outcome(cold.trainer) == {"capture": "miss", "passes": "miss"}
+        assert _outcome(warm.trainer) == {"capture": "hit", "passes": "hit"}
         cold.assert_same()
         warm.assert_same()
         assert format_program(warm.trainer.program) == format_program(cold.trainer.program)
@@ -111,16 +110,15 @@ def test_an_eval_step_hits_with_its_output_structure(cache_dir):
         out = trainer(torch.ones(2, 8))
         with torch.no_grad():
             torch.testing.assert_close(out, model(torch.ones(2, 8)))
-    assert [line.split(" (")[0] for line in trainer._last_eval.report.cache] == [
-        "capture: hit, capture skipped", "passes: hit, passes skipped", "codegen: hit, step not generated again"]
+    assert [line.split(" (")[0] for line in trainer._last_eval.report.cache] == ["capture: hit, capture skipped",
+                                                                                "passes: hit, passes skipped"]
 
 
 def test_passes_mode_captures_again_and_skips_the_passes(cache_dir):
     strategy = fleetc.DistributedStrategy()
     strategy.build_strategy.fuse_elewise_add_act_ops = True
     cold, warm = _compile(strategy=strategy, mode="passes"), _compile(strategy=strategy, mode="passes")
-    assert _outcome(cold) == {"passes": "miss", "codegen": "miss"}
-    assert _outcome(warm) == {"passes": "hit", "codegen": "hit"}
+    assert _outcome(cold) == {"passes": "miss"} and _outcome(warm) == {"passes": "hit"}
     assert warm.report().applied == cold.report().applied and warm.report().stats == cold.report().stats
     assert _compile(mode="off").report().cache == []
 
@@ -139,9 +137,9 @@ CHANGES = {
 @pytest.mark.parametrize("change", sorted(CHANGES))
 def test_a_changed_key_part_misses(cache_dir, monkeypatch, change):
     _compile()
-    assert _outcome(_compile()) == {"capture": "hit", "passes": "hit", "codegen": "hit"}  # unchanged: the control
+    assert _outcome(_compile()) == {"capture": "hit", "passes": "hit"}  # unchanged: the control
     CHANGES[change](monkeypatch)
-    assert _outcome(_compile()) == {"capture": "miss", "passes": "miss", "codegen": "miss"}
+    assert _outcome(_compile()) == {"capture": "miss", "passes": "miss"}
 
 
 def test_model_config_dtype_inputs_optimizer_and_strategy_miss(cache_dir):
@@ -149,9 +147,9 @@ def test_model_config_dtype_inputs_optimizer_and_strategy_miss(cache_dir):
     changed_shift = Net()
     changed_shift.shift = 0.25
     assert _outcome(_compile(changed_shift))["capture"] == "miss"
-    missed = {"capture": "miss", "passes": "miss", "codegen": "miss"}
-    assert _outcome(_compile(Net().double(), x=torch.ones(2, 8, dtype=torch.float64))) == missed
-    assert _outcome(_compile(x=torch.ones(3, 8))) == missed
+    assert _outcome(_compile(Net().double(), x=torch.ones(2, 8, dtype=torch.float64))) == {"capture": "miss",
+                                                                                             "passes": "miss"}
+    assert _outcome(_compile(x=torch.ones(3, 8))) == {"capture": "miss", "passes": "miss"}
     assert _outcome(_compile(lr=0.2))["capture"] == "miss"
     strategy = fleetc.DistributedStrategy()
     strategy.gradient_merge = True
@@ -171,48 +169,7 @@ def test_the_loss_modules_settings_are_in_the_key(cache_dir):
 
     compiled(nn.CrossEntropyLoss())
     assert _outcome(compiled(nn.CrossEntropyLoss()))["capture"] == "hit"
-    assert _outcome(compiled(nn.CrossEntropyLoss(label_smoothing=0.1))) == {"capture": "miss", "passes": "miss",
-                                                                             "codegen": "miss"}
-
-
-def test_the_step_key_holds_memory_measuring_and_the_cpu_kernels(cache_dir):
-    _compile()
-    assert _outcome(_compile()) == {"capture": "hit", "passes": "hit", "codegen": "hit"}  # the control
-    assert _outcome(_compile(measure_memory=True))["codegen"] == "miss"
-    strategy = fleetc.DistributedStrategy()
-    strategy.build_strategy.fuse_elewise_add_act_ops = True
-    strategy.build_strategy.enable_auto_fusion = True
-    _compile(strategy=strategy)
-    assert _outcome(_compile(strategy=strategy, cpu_kernels="sync"))["codegen"] == "miss"
-    assert _outcome(_compile(strategy=strategy, cpu_kernels="sync"))["codegen"] == "hit"
-
-
-# A stored step is checked before it is compiled: each damage below is refused and the step generated again.
-STEP_DAMAGE = {
-    "a builtin call": lambda step: step.update(source=step["source"].replace(
-        "    return {", "    __import__('os').system('true')\n    return {")),
-    "an attribute": lambda step: step.update(source=step["source"].replace(
-        "    return {", "    _ = state.clear()\n    return {")),
-    "a global of another op type": lambda step: step["globals"].update(k_evil=["type", "aten.empty.memory_format"]),
-    "an unknown global kind": lambda step: step["globals"].update(k_evil=["import", "os.system"]),
-    "an unknown value tag": lambda step: step["globals"].update(c_evil=["value", {"$call": "os.system"}]),
-    "not Python": lambda step: step.update(source=step["source"] + "def ("),
-}
-
-
-@pytest.mark.parametrize("damage", sorted(STEP_DAMAGE))
-def test_a_tampered_step_entry_is_refused_and_generated_again(cache_dir, damage):
-    cold = _compile()
-    (entry,) = _entries(cache_dir, "step")
-    data = json.loads(entry.read_text())
-    STEP_DAMAGE[damage](data["payload"])
-    entry.write_text(json.dumps(data))
-    with pytest.warns(CompileCacheWarning, match="does not fit its Program"):
-        again = _compile()
-    assert _outcome(again) == {"capture": "hit", "passes": "hit", "codegen": "miss"}
-    assert again.generated_source() == cold.generated_source()
-    torch.testing.assert_close(again.step(torch.ones(2, 8)), cold.step(torch.ones(2, 8)))
-    assert _outcome(_compile())["codegen"] == "hit"  # the miss stored a good entry again
+    assert _outcome(compiled(nn.CrossEntropyLoss(label_smoothing=0.1))) == {"capture": "miss", "passes": "miss"}
 
 
 def test_a_guard_the_key_does_not_cover_is_checked(cache_dir):
@@ -277,7 +234,7 @@ def test_an_untrusted_directory_disables_the_cache(cache_dir):
     cache_dir.chmod(0o777)
     with pytest.warns(CompileCacheWarning, match="writable by other users"):
         trainer = _compile()
-    assert _outcome(trainer) == {"capture": "miss", "passes": "miss", "codegen": "miss"}
+    assert _outcome(trainer) == {"capture": "miss", "passes": "miss"}
 
 
 def test_one_writer_per_key(tmp_path):
@@ -311,8 +268,7 @@ def test_a_second_process_skips_capture_and_passes(tmp_path):
     runs = [json.loads(subprocess.run([sys.executable, "-c", WARM_START], cwd=ROOT, env=env, check=True,
                                       capture_output=True, text=True, timeout=600).stdout.splitlines()[-1])
             for _ in range(2)]
-    assert [line.split(" (")[0] for line in runs[0]["cache"]] == ["capture: miss", "passes: miss", "codegen: miss"]
+    assert [line.split(" (")[0] for line in runs[0]["cache"]] == ["capture: miss", "passes: miss"]
     assert [line.split(" (")[0] for line in runs[1]["cache"]] == ["capture: hit, capture skipped",
-                                                                  "passes: hit, passes skipped",
-                                                                  "codegen: hit, step not generated again"]
+                                                                  "passes: hit, passes skipped"]
     assert runs[1]["losses"] == runs[0]["losses"]
