@@ -183,6 +183,9 @@ class CompiledTrainer:
                 report.skipped[record.name] = record.report.skipped_reason
         report.skipped.update(strategy_requests_without_pass(self.config))
         report.memory = history[-1].memory.as_dict()
+        report.repeated_blocks = [group.line() for group in find_repeated_blocks(program)]  # cached with the rest
+        report.repeated_blocks += [f"{record.name}: {line}" for record in history[1:]
+                                   for line in record.report.reused_blocks]
         self.compile_cache.store_passes(key, history, report)
         return final, history, report
 
@@ -242,9 +245,6 @@ class CompiledTrainer:
         report.execution = self.execution.lines()
         report.compile_seconds = time.perf_counter() - start
         report.cache = list(self.compile_cache.lines)
-        report.repeated_blocks = [group.line() for group in find_repeated_blocks(program)]
-        report.repeated_blocks += [f"{record.name}: {line}" for record in history[1:]
-                                   for line in record.report.reused_blocks]
         report.kernels = executable.kernel_usage
         leaves = tree_flatten((args, kwargs))[0]
         accumulates = self.optimizer is None and kind == "train"  # into p.grad, across steps

@@ -30,7 +30,7 @@ from fleetc.capture.dynamic import DynamicDims
 from fleetc.capture.hooks import hook_dicts
 from fleetc.ir.liveness import MemoryEstimate
 from fleetc.ir.program import Program
-from fleetc.ir.serialize import from_dict, to_dict
+from fleetc.ir.serialize import program_from_json, program_to_json
 from fleetc.passes.base import PassReport
 from fleetc.passes.manager import History, PassRecord
 from fleetc.report import CompileReport
@@ -46,7 +46,7 @@ from fleetc.runtime.guards import GuardRecord, input_key, observe_guards
 MODES = ("off", "passes", "capture")
 ENV_MODE = "FLEETC_COMPILE_CACHE"
 CACHE_RECORD = "compile_cache"  # the history record that stands for the passes a hit skipped
-_REPORT_FIELDS = ("applied", "skipped", "stats", "notes", "memory", "ops_after")
+_REPORT_FIELDS = ("applied", "skipped", "stats", "notes", "memory", "ops_after", "repeated_blocks")
 
 __all__ = ["MODES", "CompileCache", "CompileCacheWarning", "resolve_cache_mode"]
 
@@ -90,6 +90,14 @@ def _reads_failure(model: nn.Module, program: Program) -> str | None:
     return None
 
 
+def _program(payload: dict[str, Any]) -> Program:
+    """The Program of an entry: JSON text inside the JSON entry, so the key can hash that very text."""
+    text = payload["program_json"]
+    if not isinstance(text, str):
+        raise TypeError(f"program_json is a {type(text).__name__}, not JSON text")
+    return program_from_json(text)
+
+
 def _memory_data(estimate: MemoryEstimate) -> dict[str, Any]:
     return dataclasses.asdict(estimate)
 
@@ -129,10 +137,12 @@ class CompileCache:
         self.mode = resolve_cache_mode(mode)
         self.store = store if store is not None or self.mode == "off" else EntryStore()
         self.lines: list[str] = []
+        self._text: tuple[Program, str] | None = None  # the latest captured Program and its JSON text
 
     def begin(self) -> None:
         """A new compile: forget what the previous one found."""
         self.lines = []
+        self._text = None
 
     # ----- pass results ----------------------------------------------------------------------
     def passes_key(self, program: Program, config: Any, disable_passes: Iterable[str], recompute_policy: Any,
@@ -141,7 +151,7 @@ class CompileCache:
         if self.mode == "off":
             return None
         try:
-            program_text = json.dumps(to_dict(program), sort_keys=True, allow_nan=False)
+            program_text = self._program_text(program)
         except (TypeError, ValueError) as exc:
             self.lines.append(f"passes: not cacheable ({exc})")
             return None
@@ -155,7 +165,7 @@ class CompileCache:
         cached = None
         if payload is not None:
             try:
-                cached = CachedPasses(from_dict(payload["program"]), payload["report"],
+                cached = CachedPasses(_program(payload), payload["report"],
                                       _memory(payload["memory"]["captured"]), _memory(payload["memory"]["final"]))
                 if set(_REPORT_FIELDS) - set(cached.report):
                     raise KeyError(f"report fields {sorted(set(_REPORT_FIELDS) - set(cached.report))}")
@@ -170,7 +180,7 @@ class CompileCache:
         if key is None:
             return
         try:
-            payload = {"program": to_dict(history[-1].program),
+            payload = {"program_json": program_to_json(history[-1].program),
                        "report": {name: getattr(report, name) for name in _REPORT_FIELDS},
                        "memory": {"captured": _memory_data(history[0].memory),
                                   "final": _memory_data(history[-1].memory)}}
@@ -206,7 +216,8 @@ class CompileCache:
         found, why = None, ""
         if payload is not None:
             try:
-                program = from_dict(payload["program"])
+                program = _program(payload)
+                self._text = (program, payload["program_json"])
                 record = GuardRecord.from_data(payload["guards"])
                 out_spec = None if payload["out_spec"] is None else treespec_loads(payload["out_spec"])
             except (KeyError, TypeError, ValueError) as exc:
@@ -234,13 +245,20 @@ class CompileCache:
             return
         try:
             record = observe_guards(kind, model, optimizer, args, kwargs, program)
-            payload = {"program": to_dict(program), "guards": record.to_data(),
+            payload = {"program_json": self._program_text(program), "guards": record.to_data(),
                        "out_spec": None if out_spec is None else treespec_dumps(out_spec)}
             written = self.store.store("capture", key, json.loads(json.dumps(payload, allow_nan=False)))
         except (TypeError, ValueError) as exc:
             self.lines[-1] += f", not stored ({exc})"
             return
         self.lines[-1] += ", stored" if written else ", not stored (another process is writing it)"
+
+    def _program_text(self, program: Program) -> str:
+        """`program`'s JSON text: the one a capture hit decoded it from, or the one its capture stored, else new.
+        Either way the text of exactly this Program, so keys hash what is used, at one encoding per compile."""
+        if self._text is None or self._text[0] is not program:
+            self._text = (program, program_to_json(program))
+        return self._text[1]
 
     def _warn(self, message: str) -> None:
         warnings.warn(f"fleetc compile cache: ignoring {message}", CompileCacheWarning, stacklevel=3)

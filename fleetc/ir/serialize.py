@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import Any, Callable
 
 import sympy
 import torch
@@ -71,17 +71,25 @@ def decode_value(data: Any) -> Any:
         return [decode_value(v) for v in data]
     if not isinstance(data, dict):
         return data
+    return _decode_object({k: decode_value(v) for k, v in data.items()})
+
+
+def _decode_object(data: dict) -> Any:
+    """One JSON object whose values are decoded already: a tagged value's Python form, else the dict itself.
+    Also `json.loads`'s object_hook in `program_from_json`, which decodes bottom-up in one parse."""
     if "$sym" in data:
         return _decode_sym(data)
-    if len(data) != 1 or not next(iter(data)).startswith("$"):
-        return {k: decode_value(v) for k, v in data.items()}
+    if len(data) != 1:
+        return data
     tag, payload = next(iter(data.items()))
+    if not tag.startswith("$"):
+        return data
     if tag == "$ref":
         return Ref(payload)
     if tag == "$tuple":
-        return tuple(decode_value(v) for v in payload)
+        return tuple(payload)
     if tag == "$dict":
-        return {decode_value(k): decode_value(v) for k, v in payload}
+        return {k: v for k, v in payload}
     if tag == "$float":
         return float(payload)
     if tag == "$device":
@@ -105,8 +113,8 @@ def _var_to_dict(var: Var) -> dict:
             "dtype": var.dtype, "device": var.device, "kind": var.kind.value}
 
 
-def _var_from_dict(data: dict) -> Var:
-    shape = None if data["shape"] is None else tuple(decode_value(d) for d in data["shape"])
+def _var_from_dict(data: dict, decode: Callable[[Any], Any]) -> Var:
+    shape = None if data["shape"] is None else tuple(decode(d) for d in data["shape"])
     return Var(data["name"], shape, data["dtype"], data["device"], VarKind(data["kind"]))
 
 
@@ -122,9 +130,9 @@ def _op_to_dict(op: Op) -> dict:
     }
 
 
-def _op_from_dict(data: dict) -> Op:
-    return Op(data["name"], data["type"], tuple(decode_value(a) for a in data["args"]), decode_value(data["kwargs"]),
-              list(data["outputs"]), decode_value(data["attrs"]))
+def _op_from_dict(data: dict, decode: Callable[[Any], Any]) -> Op:
+    return Op(data["name"], data["type"], tuple(decode(a) for a in data["args"]), decode(data["kwargs"]),
+              list(data["outputs"]), decode(data["attrs"]))
 
 
 def to_dict(program: Program) -> dict:
@@ -132,7 +140,7 @@ def to_dict(program: Program) -> dict:
     return {
         _VERSION_KEY: FORMAT_VERSION,
         "feeds": list(program.feeds),
-        "fetches": dict(program.fetches),
+        "fetches": encode_value(dict(program.fetches), "program fetches"),  # a "$key" becomes a tagged $dict
         "metadata": encode_value(program.metadata, "program metadata"),
         "blocks": [{"idx": b.idx, "parent_idx": b.parent_idx, "vars": [_var_to_dict(v) for v in b.vars.values()],
                     "ops": [_op_to_dict(op) for op in b.ops]} for b in program.blocks],
@@ -141,20 +149,30 @@ def to_dict(program: Program) -> dict:
 
 def from_dict(data: dict) -> Program:
     """Inverse of `to_dict`; ValueError for data of another format version."""
+    return _build(data, decode_value)
+
+
+def _build(data: dict, decode: Callable[[Any], Any]) -> Program:
+    """The Program of `to_dict` data whose values `decode` turns into Python values (identity when decoded)."""
     version = data.get(_VERSION_KEY) if isinstance(data, dict) else None
     if version != FORMAT_VERSION:
         raise ValueError(f"not a fleetc Program of format version {FORMAT_VERSION} "
                          f"({_VERSION_KEY!r} is {version!r}); was it written by another fleetc version?")
-    blocks = [Block(b["idx"], b["parent_idx"], [_op_from_dict(op) for op in b["ops"]],
-                    {v["name"]: _var_from_dict(v) for v in b["vars"]}) for b in data["blocks"]]
-    return Program(blocks, list(data["feeds"]), dict(data["fetches"]), decode_value(data["metadata"]))
+    blocks = [Block(b["idx"], b["parent_idx"], [_op_from_dict(op, decode) for op in b["ops"]],
+                    {v["name"]: _var_from_dict(v, decode) for v in b["vars"]}) for b in data["blocks"]]
+    return Program(blocks, list(data["feeds"]), dict(decode(data["fetches"])), decode(data["metadata"]))
 
 
-def program_to_json(program: Program, indent: int | None = None) -> str:
+def _decoded(value: Any) -> Any:
+    return value
+
+
+def program_to_json(program: Program, indent: int | None = None, sort_keys: bool = False) -> str:
     """Deterministic JSON text of a Program (one line unless `indent` is given)."""
-    return json.dumps(to_dict(program), indent=indent, allow_nan=False)
+    return json.dumps(to_dict(program), indent=indent, allow_nan=False, sort_keys=sort_keys)
 
 
 def program_from_json(text: str) -> Program:
-    """A Program from `program_to_json` text."""
-    return from_dict(json.loads(text))
+    """A Program from `program_to_json` text, tagged values decoded during the parse (json's object_hook):
+    several times faster than `from_dict(json.loads(text))` on large Programs, with the same result."""
+    return _build(json.loads(text, object_hook=_decode_object), _decoded)

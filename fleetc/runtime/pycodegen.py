@@ -71,6 +71,7 @@ class _Emitter:
         self.lines: list[str] = []
         self.globals: dict[str, Any] = {}
         self.local_names: dict[str, str] = {}
+        self.taken: set[str] = set()  # the identifiers in local_names' values (a set, so `local` stays O(1))
         self.kernel_names: dict[str, str] = {}
         self.op_at_line: dict[int, Op] = {}
 
@@ -81,9 +82,10 @@ class _Emitter:
             if not ident or ident[0].isdigit() or keyword.iskeyword(ident):
                 ident = "v_" + ident
             ident = "v_" + ident if not ident.startswith("v_") else ident
-            while ident in self.local_names.values():
+            while ident in self.taken:
                 ident += "_"
             self.local_names[var_name] = ident
+            self.taken.add(ident)
         return self.local_names[var_name]
 
     def constant(self, value: Any) -> str:

@@ -29,6 +29,7 @@ def assert_round_trips(program: Program) -> Program:
     text = program_to_json(program)
     back = program_from_json(text)
     assert back == program
+    assert from_dict(json.loads(text)) == back  # the one-parse decoder (object_hook) and the data decoder agree
     assert str(back) == str(program)
     assert program_to_json(back) == text
     return back
@@ -158,6 +159,15 @@ def test_unknown_tag_is_rejected() -> None:
     data["blocks"][0]["ops"][0]["args"][1] = {"$complex": [1, 2]}
     with pytest.raises(ValueError, match=r"unknown tag '\$complex'"):
         from_dict(data)
+    with pytest.raises(ValueError, match=r"unknown tag '\$complex'"):
+        program_from_json(json.dumps(data))
+
+
+def test_a_fetch_key_that_looks_like_a_tag_round_trips() -> None:
+    program = hand_built_program()
+    program.fetches = {"$ref": "y"}
+    assert program_from_json(program_to_json(program)).fetches == {"$ref": "y"}
+    assert_round_trips(program)
 
 
 def test_unencodable_argument_names_op_and_argument() -> None:

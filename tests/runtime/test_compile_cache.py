@@ -187,7 +187,8 @@ def _entries(cache_dir: Path, kind: str) -> list[Path]:
     return sorted(cache_dir.glob(f"{kind}-*.json"))
 
 
-@pytest.mark.parametrize("damage", ["truncated", "not json", "wrong version", "unknown tag", "renamed"])
+@pytest.mark.parametrize("damage", ["truncated", "not json", "wrong version", "unknown tag", "program not text",
+                                    "renamed"])
 def test_a_damaged_entry_is_ignored_with_a_warning_and_replaced(cache_dir, damage):
     cold = _compile()
     (entry,) = _entries(cache_dir, "capture")
@@ -200,7 +201,12 @@ def test_a_damaged_entry_is_ignored_with_a_warning_and_replaced(cache_dir, damag
     elif damage == "wrong version":
         entry.write_text(json.dumps({**data, "fleetc_compile_cache": 0}))
     elif damage == "unknown tag":
-        data["payload"]["program"]["metadata"] = {"x": {"$call": "os.system"}}
+        program = json.loads(data["payload"]["program_json"])
+        program["metadata"] = {"x": {"$call": "os.system"}}
+        data["payload"]["program_json"] = json.dumps(program)
+        entry.write_text(json.dumps(data))
+    elif damage == "program not text":
+        data["payload"]["program_json"] = json.loads(data["payload"]["program_json"])
         entry.write_text(json.dumps(data))
     else:  # an entry under another key's name
         data["key"] = "0" * 64
