@@ -63,12 +63,13 @@ class Dialect:
 
 
 class CDialect(Dialect):
-    """C/C++ with fp32 `float` values: libm calls (vectorized through glibc's libmvec), float literals, and
+    """C/C++ with fp32 `float` values: the prelude's inline exp and tanh (fleetc/codegen/cpu/source.py), libm calls
+    for log and erf (vectorized through glibc's libmvec), float literals, and
     an explicit fma where aten's own build contracts `a + alpha * b` (so add/sub with alpha stay exact)."""
 
     name = "c"
-    _CALLS = {"exp": "expf", "log": "logf", "sqrt": "__builtin_sqrtf", "abs": "__builtin_fabsf", "erf": "erff",
-              "tanh": "tanhf"}
+    _CALLS = {"exp": "fc_exp", "log": "logf", "sqrt": "__builtin_sqrtf", "abs": "__builtin_fabsf", "erf": "erff",
+              "tanh": "fc_tanh"}
 
     def num(self, value: float) -> str:
         # the fp32 value aten would use (a double scalar cast to float), written so that reading it back is exact
@@ -96,7 +97,7 @@ class CDialect(Dialect):
         return f"(({cond}) ? ({a}) : ({b}))"
 
     def tanh(self, x: str) -> str:
-        return f"tanhf({x})"
+        return f"fc_tanh({x})"
 
     def scaled_add(self, a: str, b: str, alpha: str, sign: str) -> str:
         if alpha == "1":

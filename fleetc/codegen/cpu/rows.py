@@ -11,9 +11,10 @@ accumulating in fp32 lanes whatever the tensor dtype (fp32 or bf16):
 - softmax: the max, the sum of exp(x - max), then exp(x - max) / sum; log-softmax writes x - max - log(sum); the
   backwards are y * (dy - sum(dy * y)) and dy - exp(y) * sum(dy).
 
-Results are fp32-close to aten's, not bit-identical: aten sums in another order and uses its own exp/log
-(tests/codegen/test_cpu_rows.py states the tolerances). Softmax over another dim than the last, and
-`half_to_float`, keep the reference, as do dtypes other than fp32 and bf16.
+Results are fp32-close to aten's, not bit-identical: aten sums in another order and uses its own exp/log, ours the
+prelude's inline fc_exp and libm's logf once per row (tests/codegen/test_cpu_rows.py states the tolerances).
+Softmax over another dim than the last, and `half_to_float`, keep the reference, as do dtypes other than fp32 and
+bf16.
 """
 from __future__ import annotations
 
@@ -125,17 +126,25 @@ def layer_norm_grad_kernel(x_dtype: str, w_dtype: str | None, stat_dtype: str, n
 
 @functools.cache
 def softmax_kernel(dtype: str, log: bool) -> CppKernel:
-    """data = [x, y]; meta = [M, N]: softmax (or log-softmax) of each row."""
+    """data = [x, y]; meta = [M, N]: softmax (or log-softmax) of each row.
+
+    An fp32 softmax writes exp(x - max) into y while summing it, then scales y in place (one exp per value, as
+    aten); a bf16 one computes the exp again in the scaling pass rather than round it to bf16 twice."""
     name = f"{'log_' * log}softmax_{_SHORT[dtype]}"
     x = load(dtype, "x[o + j]")
-    result = f"{x} - mx - lse" if log else f"expf({x} - mx) * inv"
     body = ["float mx = -__builtin_inff();",
             "#pragma omp simd reduction(max:mx)",
-            f"for (int64_t j = 0; j < N; ++j) mx = {x} > mx ? {x} : mx;",
-            *_simd_sum(f"expf({x} - mx)", "total"),
-            "const float lse = logf(total);" if log else "const float inv = 1.0f / total;",
-            "#pragma omp simd",
-            f"for (int64_t j = 0; j < N; ++j) y[o + j] = {store(dtype, result)};"]
+            f"for (int64_t j = 0; j < N; ++j) mx = {x} > mx ? {x} : mx;"]
+    if log:
+        body += [*_simd_sum(f"fc_exp({x} - mx)", "total"), "const float lse = logf(total);", "#pragma omp simd",
+                 f"for (int64_t j = 0; j < N; ++j) y[o + j] = {store(dtype, f'{x} - mx - lse')};"]
+    elif dtype == "float32":
+        body += [*_simd_sum("e", "total", prologue=f"const float e = fc_exp({x} - mx); y[o + j] = e; "),
+                 "const float inv = 1.0f / total;", "#pragma omp simd",
+                 "for (int64_t j = 0; j < N; ++j) y[o + j] *= inv;"]
+    else:
+        body += [*_simd_sum(f"fc_exp({x} - mx)", "total"), "const float inv = 1.0f / total;", "#pragma omp simd",
+                 f"for (int64_t j = 0; j < N; ++j) y[o + j] = {store(dtype, f'fc_exp({x} - mx) * inv')};"]
     lines = [signature(name) + " {", _pointer(0, "x", dtype), _pointer(1, "y", dtype, const=False),
              *_row_loop(body), "}"]
     return CppKernel(name, "\n".join(lines) + "\n")
@@ -148,7 +157,7 @@ def softmax_grad_kernel(dtype: str, log: bool) -> CppKernel:
     dy, y = load(dtype, "dy[o + j]"), load(dtype, "y[o + j]")
     if log:
         body = [*_simd_sum(dy, "total"), "#pragma omp simd",
-                f"for (int64_t j = 0; j < N; ++j) dx[o + j] = {store(dtype, f'{dy} - expf({y}) * total')};"]
+                f"for (int64_t j = 0; j < N; ++j) dx[o + j] = {store(dtype, f'{dy} - fc_exp({y}) * total')};"]
     else:
         body = [*_simd_sum(f"{dy} * {y}", "total"), "#pragma omp simd",
                 f"for (int64_t j = 0; j < N; ++j) dx[o + j] = {store(dtype, f'{y} * ({dy} - total)')};"]
