@@ -8,7 +8,8 @@ import sys
 
 import torch
 import torch.distributed as dist
-from helpers.pipeline import STAGED
+import torch.nn.functional as F
+from helpers.pipeline import SCALING_STATE, STAGED, TwoStageMLP, amp_pipeline_strategy
 from zoo import OPTIMIZERS, ZOO
 
 import fleetc
@@ -85,6 +86,32 @@ def fleet_train(rank: int, args: dict, out_dir: str) -> None:
                 "skipped": trainer.report().skipped,
                 "params": {n: named[n] for n in pipe.plan.stages[pipe.ranks_here[0]].params}},
                os.path.join(out_dir, f"rank{rank}.pt"))
+    fleet.barrier_worker()
+    fleet.stop_worker()
+
+
+def amp_train(rank: int, args: dict, out_dir: str) -> None:
+    """Pipeline × AMP through fleet.init: TwoStageMLP, one stage per process, bf16 with dynamic loss scaling; from
+    step `overflow_step` on, stage 1's weight is made huge so that only stage 0's gradients overflow. Saves per
+    step the loss, this rank's loss-scaling state and its stage's parameters."""
+    fleet.init(is_collective=True)
+    torch.manual_seed(0)
+    model = TwoStageMLP()
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                      amp_pipeline_strategy(args))
+    trainer = fleetc.compile(model, optimizer=opt, loss_fn=F.cross_entropy)
+    g = torch.Generator().manual_seed(1)
+    steps = []
+    for step in range(args["steps"]):
+        if step == args["overflow_step"]:
+            model.make_overflow()
+        x, y = torch.randn(args["batch"], 4, generator=g), torch.randint(0, 3, (args["batch"],), generator=g)
+        loss = float(trainer.step(x, y))
+        pipe = trainer._last_train.pipeline
+        stage = pipe.plan.stages[pipe.ranks_here[0]]
+        steps.append({"loss": loss, "scaling": [float(pipe.held_values(n)[stage.stage]) for n in SCALING_STATE],
+                      "params": {n: p.detach().clone() for n, p in model.named_parameters() if n in stage.params}})
+    torch.save({"steps": steps, "executor": type(pipe).__name__}, os.path.join(out_dir, f"rank{rank}.pt"))
     fleet.barrier_worker()
     fleet.stop_worker()
 

@@ -20,6 +20,7 @@ from fleetc.comm.mesh import _pipeline_degree
 from fleetc.errors import PassStrategyError, StrategyError
 from fleetc.ir.program import Program, VarKind
 from fleetc.passes.base import PassReport
+from fleetc.passes.pipeline_parallel.amp import CHECK_FINITE
 from fleetc.passes.pipeline_parallel.auto import auto_partition
 from fleetc.passes.pipeline_parallel.clip import SQUARED_NORM
 from fleetc.passes.pipeline_parallel.partition import PipelinePlan, partition
@@ -48,10 +49,6 @@ class PipelineSplit:
         if whole:
             report.skipped_reason = whole
             return program, report
-        if config.amp:
-            raise PassStrategyError("pipeline with amp is not supported yet: found_inf and the loss-scaling state "
-                                    "must agree across stages (an all-reduce over the pipeline group), so that no "
-                                    "stage updates while another skips; switch strategy.amp or strategy.pipeline off")
         pipe = config.pipeline_configs
         annotated = has_stage_annotations(program)
         with _as_pass_error():
@@ -68,10 +65,12 @@ class PipelineSplit:
         _check_batch(program, pipe.micro_batch_size)
         with _as_pass_error():
             schedule = _schedule(pipe.schedule_mode, stages, microbatches, pipe.vpp_degree)
-        if pipe.vpp_degree > 1 and any(op.type == SQUARED_NORM for op in program.global_block.ops):
-            raise PassStrategyError("global-norm gradient clipping with schedule_mode VPP is not supported yet: the "
-                                    "norm is summed over the chunks, and a rank holding several would wait on itself; "
-                                    "use 1F1B, FThenB or ZBH1, or ClipGradByNorm")
+        summed = {SQUARED_NORM: "global-norm gradient clipping", CHECK_FINITE: "amp (found_inf)"}
+        over_stages = sorted({summed[op.type] for _, op in program.walk_ops() if op.type in summed})
+        if pipe.vpp_degree > 1 and over_stages:
+            raise PassStrategyError(f"{' and '.join(over_stages)} with schedule_mode VPP is not supported yet: the "
+                                    "value is summed over the chunks, and a rank holding several would wait on "
+                                    "itself; use 1F1B, FThenB or ZBH1 (or ClipGradByNorm for clipping)")
         plan = partition(program, microbatches)
         simulation = simulate(schedule)
         _annotate(program, plan)

@@ -290,13 +290,6 @@ def test_pipeline_composes_with_recompute_per_stage():
     assert {"recompute", "pipeline_split"} <= set(trainer.report().applied)
 
 
-def test_pipeline_with_amp_is_refused_with_the_reason():
-    strategy = _strategy()
-    strategy.amp = True
-    with pytest.raises(StrategyError, match="pipeline with amp is not supported yet: found_inf"):
-        _compile_step(Guarded(), strategy)
-
-
 def test_without_an_optimizer_the_program_runs_whole_with_the_reason():
     model = Guarded()
     trainer = fleetc.compile(model, _strategy(), loss_fn=F.cross_entropy)
