@@ -78,11 +78,13 @@ def fleet_train(rank: int, args: dict, out_dir: str) -> None:
     pipe = trainer._last_train.pipeline
     named = {n: p.detach().clone() for n, p in model.named_parameters()}  # before a checkpoint gathers the rest
     evaluated = trainer(batch[0]) if args.get("evaluate") else None   # every rank calls it
+    eval_executor = type(trainer._last_eval.pipeline).__name__ if args.get("evaluate") else None
     resumed = {}
     if args.get("checkpoint"):
         fleet.save_persistables(os.path.join(out_dir, "checkpoint"))
         resumed = _resume(rank, args, strategy, os.path.join(out_dir, "checkpoint"), g)
     torch.save({"losses": losses, "mesh": str(trainer.mesh), "executor": type(pipe).__name__, "evaluated": evaluated, "resumed": resumed,
+                "eval_executor": eval_executor,
                 "skipped": trainer.report().skipped,
                 "params": {n: named[n] for n in pipe.plan.stages[pipe.ranks_here[0]].params}},
                os.path.join(out_dir, f"rank{rank}.pt"))

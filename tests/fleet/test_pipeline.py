@@ -121,7 +121,8 @@ def test_gradient_merge_and_global_norm_clipping_across_processes(tmp_path):
 
 
 def test_checkpoint_and_evaluation_of_a_two_stage_run(tmp_path):
-    """Evaluation on every rank sees the whole current model. The checkpoint resumes on the same pipeline. Each
+    """Evaluation runs pipelined (forward only, micro-batched, each rank on its own stages' current state) and every
+    rank returns the eager model's outputs. The checkpoint resumes on the same pipeline. Each
     stage's state (CNN: parameters, BatchNorm statistics, momentum buffers) is gathered before the first
     rank writes: the checkpoint loads into a single process, which then trains on exactly like eager."""
     args = {"model": "cnn", "mode": "1F1B", "microbatches": MICROBATCHES, "steps": STEPS, "stages": 2, "batch": 4,
@@ -149,6 +150,7 @@ def test_checkpoint_and_evaluation_of_a_two_stage_run(tmp_path):
             reference.eval()
             with torch.no_grad():                # evaluation on every rank sees every stage's current state
                 for r in results:
+                    assert r.result["eval_executor"] == "ForwardPipeline"
                     torch.testing.assert_close(r.result["evaluated"], reference(batch[0]))
             reference.train()
     torch.testing.assert_close(trainer.step(*batch), torch.tensor(expected))  # one more step: momentum restored too

@@ -119,12 +119,6 @@ def test_automatic_cut_balances_cost_and_prints_it():
         sorted(stage_of.values()) == ["stage:0"] * 2 + ["stage:1"] * 3
 
 
-def test_eval_program_is_left_whole_with_a_reason():
-    trainer, _ = _compile_step(Guarded(), _strategy())
-    trainer(torch.randn(4, 4))
-    assert trainer.eval_program.metadata.get("pipeline") is None
-
-
 def test_dump_ir_pipeline_prints_the_schedule_and_stage_programs(capsys):
     assert main(["dump-ir", "cli_factories:mlp_pipeline", "--verify", "--pipeline"]) == 0
     out = capsys.readouterr().out
