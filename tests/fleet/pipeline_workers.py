@@ -59,11 +59,13 @@ def fleet_train(rank: int, args: dict, out_dir: str) -> None:
     replicas = world // stages
     make, optimizer_name = STAGED[args["model"]]
     torch.manual_seed(rank)  # different on every rank: the trainer broadcasts rank 0's parameters
-    model = make(stages)
+    vpp = args.get("vpp", 1)  # VPP: each process holds vpp of the model's device_guard stages
+    model = make(stages * vpp)
     strategy = fleetc.DistributedStrategy()
     strategy.pipeline = True
     strategy.pipeline_configs = {"micro_batch_size": args["batch"] // (replicas * args["microbatches"]),
-                                 "accumulate_steps": args["microbatches"], "schedule_mode": args["mode"]}
+                                 "accumulate_steps": args["microbatches"], "schedule_mode": args["mode"],
+                                 "vpp_degree": vpp}
     if args.get("k_steps", 1) > 1:
         strategy.gradient_merge = True
         strategy.gradient_merge_configs = {"k_steps": args["k_steps"]}
@@ -86,7 +88,7 @@ def fleet_train(rank: int, args: dict, out_dir: str) -> None:
     torch.save({"losses": losses, "mesh": str(trainer.mesh), "executor": type(pipe).__name__, "evaluated": evaluated, "resumed": resumed,
                 "eval_executor": eval_executor,
                 "skipped": trainer.report().skipped,
-                "params": {n: named[n] for n in pipe.plan.stages[pipe.ranks_here[0]].params}},
+                "params": {n: named[n] for s in pipe.chunks for n in pipe.plan.stages[s].params}},
                os.path.join(out_dir, f"rank{rank}.pt"))
     fleet.barrier_worker()
     fleet.stop_worker()

@@ -111,6 +111,16 @@ def test_fleet_compile_runs_one_stage_per_process(zoo_name, mode, tmp_path):
         assert all("tok.weight" in r.result["params"] for r in results)  # tied: both stages hold it
 
 
+@pytest.mark.parametrize("mode, vpp", [("ZBH1", 1), ("VPP", 2)])
+def test_fleet_zero_bubble_and_interleaved_schedules_on_the_cnn(mode, vpp, tmp_path):
+    """ZB-H1, and VPP with 4 device_guard stages on 2 processes (each holding 2, interleaved), through fleet.init and
+    distributed_optimizer: matches eager accumulation over the same micro-batches."""
+    args = {"model": "cnn", "mode": mode, "vpp": vpp, "microbatches": MICROBATCHES, "steps": STEPS, "stages": 2,
+            "batch": 4}
+    results = spawn(2, "fleet_train", args, tmp_path, deadline_s=150, module="fleet.pipeline_workers")
+    _check_fleet_run(results, "cnn", 2, MICROBATCHES)
+
+
 def test_gradient_merge_and_global_norm_clipping_across_processes(tmp_path):
     """CNN, FThenB, one stage per process: gradient merge k_steps=2 (one update every 2 step() calls, on the average)
     and ClipGradByGlobalNorm, whose norm is summed over the two processes' stages."""
