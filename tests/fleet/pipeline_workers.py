@@ -96,9 +96,11 @@ def fleet_train(rank: int, args: dict, out_dir: str) -> None:
 
 def amp_train(rank: int, args: dict, out_dir: str) -> None:
     """Pipeline × AMP through fleet.init: TwoStageMLP, one stage per process, bf16 with dynamic loss scaling; from
-    step `overflow_step` on, stage 1's weight is made huge so that only stage 0's gradients overflow. Saves per
-    step the loss, this rank's loss-scaling state and its stage's parameters."""
+    step `overflow_step` on, stage 1's weight is made huge so that only stage 0's gradients overflow. On 4
+    processes, two replicas (mesh order: dp outermost), each fed its half of the global batch. Saves per step the
+    loss, this rank's loss-scaling state and its stage's parameters."""
     fleet.init(is_collective=True)
+    replicas = dist.get_world_size() // 2
     torch.manual_seed(0)
     model = TwoStageMLP()
     opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
@@ -109,8 +111,9 @@ def amp_train(rank: int, args: dict, out_dir: str) -> None:
     for step in range(args["steps"]):
         if step == args["overflow_step"]:
             model.make_overflow()
-        x, y = torch.randn(args["batch"], 4, generator=g), torch.randint(0, 3, (args["batch"],), generator=g)
-        loss = float(trainer.step(x, y))
+        size = args["batch"] * replicas
+        x, y = torch.randn(size, 4, generator=g), torch.randint(0, 3, (size,), generator=g)
+        loss = float(trainer.step(x.chunk(replicas)[rank // 2], y.chunk(replicas)[rank // 2]))
         pipe = trainer._last_train.pipeline
         stage = pipe.plan.stages[pipe.ranks_here[0]]
         steps.append({"loss": loss, "scaling": [float(pipe.held_values(n)[stage.stage]) for n in SCALING_STATE],

@@ -183,33 +183,38 @@ def test_pipeline_times_data_parallel_on_four_processes(zoo_name, tmp_path):
     _check_fleet_run(results, zoo_name, 2, 2)
 
 
-def test_amp_stages_skip_together_and_keep_one_loss_scale(tmp_path):
-    """Pipeline × AMP (bf16, dynamic loss scaling) through fleet.init on 2 processes: two clean steps (the scale
-    grows after each), then stage 1's weight made huge, which overflows only stage 0's gradients: both processes
-    skip both steps, and after the second bad step both halve the scale. Every step matches AMP without pipeline
-    (gradient merge over the same micro-batches) in one process."""
+@pytest.mark.parametrize("processes", [2] + ([4] if os.environ.get("FLEETC_FULL") else []))
+def test_amp_stages_skip_together_and_keep_one_loss_scale(processes, tmp_path):
+    """Pipeline × AMP (bf16, dynamic loss scaling) through fleet.init, 2 stages (× 2 data-parallel replicas on 4
+    processes): two clean steps (the scale grows after each), then stage 1's weight made huge, which overflows only
+    stage 0's gradients: every process skips both steps, and after the second bad step all halve the scale. Every
+    step matches AMP without pipeline (gradient merge over all replicas' micro-batches) in one process."""
     args = {"steps": 4, "overflow_step": 2, "batch": 4, "microbatches": 2, "mode": "1F1B",
             "amp": {"incr_every_n_steps": 1, "decr_every_n_nan_or_inf": 2, "decr_ratio": 0.5}}
-    results = spawn(2, "amp_train", args, tmp_path, deadline_s=150, module="fleet.pipeline_workers")
+    results = spawn(processes, "amp_train", args, tmp_path, deadline_s=240, module="fleet.pipeline_workers")
+    replicas, m = processes // 2, args["microbatches"]
     for r in results:
         assert r.returncode == 0, r.output[-3000:]
         assert r.result["executor"] == "DistributedPipeline"
     torch.manual_seed(0)
     model = TwoStageMLP()
-    trainer = fleetc.compile(model, amp_pipeline_strategy(args, pipeline=False),
+    trainer = fleetc.compile(model, amp_pipeline_strategy({**args, "microbatches": replicas * m}, pipeline=False),
                              optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                              loss_fn=F.cross_entropy)
     g = torch.Generator().manual_seed(1)
     for step in range(args["steps"]):
         if step == args["overflow_step"]:
             model.make_overflow()
-        x, y = torch.randn(4, 4, generator=g), torch.randint(0, 3, (4,), generator=g)
-        loss = torch.stack([trainer.step(*micro) for micro in zip(x.chunk(2), y.chunk(2))]).mean()
+        size = args["batch"] * replicas
+        x, y = torch.randn(size, 4, generator=g), torch.randint(0, 3, (size,), generator=g)
+        losses = torch.stack([trainer.step(*micro) for micro in zip(x.chunk(replicas * m), y.chunk(replicas * m))])
         scaling = [float(trainer.counters[name]) for name in SCALING_STATE]
         for r in results:
             done = r.result["steps"][step]
             where = f"rank {r.rank}, step {step}"
-            torch.testing.assert_close(torch.tensor(done["loss"]), loss.detach(), msg=lambda m, w=where: f"{w}: {m}")
+            loss = losses[r.rank // 2 * m:(r.rank // 2 + 1) * m].mean()   # its replica's micro-batches
+            torch.testing.assert_close(torch.tensor(done["loss"]), loss.detach(),
+                                       msg=lambda msg, w=where: f"{w}: {msg}")
             assert done["scaling"] == scaling, where
             for name, value in done["params"].items():
                 torch.testing.assert_close(value, dict(model.named_parameters())[name].detach(),
@@ -217,7 +222,7 @@ def test_amp_stages_skip_together_and_keep_one_loss_scale(tmp_path):
             if step > args["overflow_step"]:   # skipped on both: the parameters of the step before (the first bad
                 before = r.result["steps"][step - 1]["params"]   # step's hold stage 1's injected weight)
                 assert all(torch.equal(v, before[n]) for n, v in done["params"].items()), where
-    assert [r.result["steps"][-1]["scaling"] for r in results] == [[2.0 ** 16, 0.0, 0.0]] * 2
+    assert [r.result["steps"][-1]["scaling"] for r in results] == [[2.0 ** 16, 0.0, 0.0]] * processes
 
 
 @pytest.mark.parametrize("fault", ["kill", "hang"])
