@@ -58,6 +58,7 @@ from fleetc.runtime.memory import eager_peak_bytes
 from fleetc.runtime.guards import GuardCheck, input_key, observe_guards
 from fleetc.runtime.guards.shapes import ShapeGuards
 from fleetc.runtime.hyperparameters import HyperparameterFeeds
+from fleetc.runtime.pipeline_forward import ForwardPipeline, capture_microbatched, forward_pipeline
 from fleetc.runtime.pipeline_local import PipelineExecutor, first_microbatch, make_pipeline
 from fleetc.runtime.state import StateBinding
 from fleetc.runtime.step_cache import DEFAULT_CACHE_LIMIT, StepCache
@@ -91,7 +92,7 @@ class CompiledStep:
     hyper_feeds: HyperparameterFeeds | None = None  # the optimizer's values the Program is fed every step
     post_hooked: list = ()  # without an optimizer: (name, param) of params with post-accumulate-grad hooks
     shapes: ShapeGuards | None = None  # a dynamic Program's shape guards (None: static, the cache key decides)
-    pipeline: PipelineExecutor | None = None  # strategy.pipeline: runs the per-stage Programs per the schedule
+    pipeline: PipelineExecutor | ForwardPipeline | None = None  # strategy.pipeline: runs the per-stage Programs
 
 
 @contextlib.contextmanager
@@ -213,6 +214,9 @@ class CompiledTrainer:
                 args, kwargs = first_microbatch(args, kwargs, pipe.micro_batch_size, pipe.accumulate_steps)
             return capture_train_program(self.model, self.loss_fn, self.optimizer, args, kwargs, dynamic), None
         with _eval_mode(self.model):
+            if self.config.pipeline:  # forward-only pipelining runs it one micro-batch at a time
+                return capture_microbatched(lambda a, k: capture_eval_program(self.model, a, k, dynamic), args,
+                                            kwargs, self.config.pipeline_configs.accumulate_steps)
             return capture_eval_program(self.model, args, kwargs, dynamic)
 
     def _cached_capture(self, kind: str, args: tuple, kwargs: dict, dynamic: DynamicDims) -> tuple[Program, Any]:
@@ -251,6 +255,8 @@ class CompiledTrainer:
         post_hooked = [(n, p) for n, p in self.model.named_parameters()
                        if accumulates and getattr(p, "_post_accumulate_grad_hooks", None)]
         pipeline = self._make_pipeline(final) if kind == "train" and "pipeline" in final.metadata else None
+        if kind == "eval" and "pipeline" in final.metadata:
+            pipeline = self._make_forward_pipeline(final)
         shapes = ShapeGuards(final) if "dynamic" in final.metadata else None
         if shapes is not None:
             report.guards += [f"shape: {line}" for line in shapes.summary()]
@@ -262,6 +268,10 @@ class CompiledTrainer:
         """The executor of a Program the pipeline pass split: here every pipeline rank runs in this process (the
         data-parallel trainer runs this process's rank of its pipeline group instead)."""
         return make_pipeline(program, self.model, self.optimizer, self.counters, self.cpu_kernels)
+
+    def _make_forward_pipeline(self, program: Program) -> ForwardPipeline:
+        """The forward-only executor of an evaluation Program the pipeline pass split (every rank here)."""
+        return forward_pipeline(program, self.cpu_kernels)
 
     def _key(self, kind: str, leaves: list, spec: TreeSpec, dynamic: DynamicDims | None = None) -> tuple:
         key: tuple = (("inputs", input_key(leaves, spec, dynamic)),)
@@ -380,8 +390,8 @@ class CompiledTrainer:
         """Forward only, with eval semantics (dropout off, BatchNorm running stats) and no grad."""
         compiled, leaves = self._lookup("eval", args, kwargs)
         self._last_eval = compiled
-        out = compiled.executable.run(compiled.binding.resolve(),
-                                      _fed(compiled, [leaves[i] for i in compiled.tensor_positions]))
+        run = compiled.executable.run if compiled.pipeline is None else compiled.pipeline.run  # forward-only
+        out = run(compiled.binding.resolve(), _fed(compiled, [leaves[i] for i in compiled.tensor_positions]))
         outputs = [out[f"output.{i}"] for i in range(len(out))]
         return tree_unflatten(outputs, compiled.out_spec)
 

@@ -96,7 +96,14 @@ def resolve_mesh(config: Any, world_size: int, stages: int | None = None) -> tup
         raise StrategyError(f"hybrid_configs.mp_degree is {hybrid.mp_degree}: tensor (model) parallelism is not "
                             "implemented in fleetc; set it to 1")
     pp = _pipeline_degree(config, hybrid.pp_degree, stages)
-    _must_divide(world_size, pp, "the device_guard stage count" if stages else "hybrid_configs.pp_degree")
+    vpp = config.pipeline_configs.vpp_degree if config.pipeline and stages else 1
+    if vpp > 1:  # interleaved 1F1B: each pipeline rank holds vpp_degree of the device_guard stages
+        if pp % vpp:
+            raise StrategyError(f"pipeline_configs.vpp_degree={vpp} chunks per rank does not divide the model's "
+                                f"{pp} device_guard stages")
+        pp //= vpp
+    _must_divide(world_size, pp, "the device_guard stage count" + (" / vpp_degree" if vpp > 1 else "")
+                 if stages else "hybrid_configs.pp_degree")
     dp_given = hybrid.dp_degree if hybrid.dp_degree != -1 else None
     if dp_given == 0:
         raise StrategyError("hybrid_configs.dp_degree must be -1 (inferred) or at least 1, got 0")

@@ -28,6 +28,7 @@ from fleetc.passes.sharding.optimizer_sharding import RS_WAIT
 from fleetc.passes.sharding.param_sharding import GATHER_WAIT
 from fleetc.report import CompileReport
 from fleetc.runtime.checkpoint import TrainerState, load_checkpoint, rng_state, save_checkpoint
+from fleetc.runtime.pipeline_forward import ForwardPipeline, forward_pipeline
 from fleetc.runtime.pipeline_local import DistributedPipeline, PipelineExecutor, make_pipeline
 from fleetc.runtime.guards import GuardCheck, observe_guards
 from fleetc.runtime.step_cache import DEFAULT_CACHE_LIMIT
@@ -114,7 +115,7 @@ class DataParallelTrainer(CompiledTrainer):
         with whole(self._sharded_params, values=False):  # stage 3: capture sees whole-shaped parameters
             compiled = super()._compile(kind, args, kwargs, dynamic)
         gathers = bool(compiled.program.metadata.get("sharding", {}).get("param_owners"))  # stage 3 eval too
-        if self.world_size > 1 and (kind == "train" or gathers):
+        if self.world_size > 1 and (kind == "train" or gathers or compiled.pipeline is not None):
             # The plan check first: a dead rank or a disagreement fails here, cleanly, before group creation waits.
             check_plans_agree(compiled.program, {"the optimizer's settings": optimizer_settings(self.optimizer)})
             pipeline_group = {"pp": self.mesh.groups("pp")} if compiled.pipeline is not None else {}
@@ -143,6 +144,13 @@ class DataParallelTrainer(CompiledTrainer):
         return make_pipeline(program, self.model, self.optimizer, self.counters, self.cpu_kernels,
                              self.mesh.group_of("pp", env.rank()), "pp")
 
+    def _make_forward_pipeline(self, program: Program) -> ForwardPipeline:
+        """This process's rank of the forward-only pipeline (the mesh's pp axis), over torch.distributed."""
+        if self.world_size == 1:
+            return super()._make_forward_pipeline(program)
+        return forward_pipeline(program, self.cpu_kernels, self.mesh.group_of("pp", env.rank()), "pp",
+                                env.collective_timeout().total_seconds())
+
     def _gather_pipeline_stages(self) -> None:
         """With one pipeline stage per process, each rank's model is current for its stages only: gather the others'
         (a collective, once per training step at most) before anything reads the whole model."""
@@ -152,9 +160,12 @@ class DataParallelTrainer(CompiledTrainer):
             self._gathered_at = self._steps
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Evaluation. Under a pipeline with one stage per process every rank calls it: the stages' current state
-        is gathered first, and each rank runs the whole evaluation Program (forward-only pipelining is not built)."""
-        self._gather_pipeline_stages()
+        """Evaluation. Under a pipeline with one stage per process every rank calls it. With device_guard stages it
+        runs pipelined, forward only: each rank runs its own stages on their current state, and every rank returns
+        the last stage's outputs. Otherwise the stages' current state is gathered first, and each rank runs the
+        whole evaluation Program."""
+        if self._lookup("eval", args, kwargs)[0].pipeline is None:
+            self._gather_pipeline_stages()
         return super().__call__(*args, **kwargs)
 
     def memory_stats(self) -> dict[str, Any]:

@@ -12,9 +12,15 @@ from fleetc.ir.registry import register_op
 
 @register_op("scale_loss_grad", "backward seed times the loss scale; a zero scale (no step run yet) starts at init")
 def scale_loss_grad(seed: torch.Tensor, loss_scaling: torch.Tensor, init_loss_scaling: float) -> tuple[torch.Tensor]:
-    # Counters start zero-filled and a live scale is never below 1, so zero means "first step".
-    loss_scaling.copy_(torch.where(loss_scaling == 0, init_loss_scaling, loss_scaling))
+    start_loss_scaling(loss_scaling, init_loss_scaling)
     return (seed * loss_scaling,)
+
+
+@register_op("start_loss_scaling", "set a zero loss scale (no step run yet) to its initial value")
+def start_loss_scaling(loss_scaling: torch.Tensor, init_loss_scaling: float) -> None:
+    """Counters start zero-filled and a live scale is never below 1, so zero means "first step". A pipeline stage
+    without the loss (whose backward seed scaling does this) runs it before unscaling its gradients."""
+    loss_scaling.copy_(torch.where(loss_scaling == 0, init_loss_scaling, loss_scaling))
 
 
 @register_op("check_finite_and_unscale", "divide all gradients by the loss scale and flag any inf/nan, in one op")

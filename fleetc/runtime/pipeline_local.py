@@ -95,6 +95,15 @@ class PipelineExecutor:
         return max((float((copy - resolved[name].detach()).abs().max()) for (_, name), copy in self.copies.items()),
                    default=0.0)
 
+    def held_values(self, name: str) -> dict[int, torch.Tensor]:
+        """Each of this process's chunks' own tensor of the persistable `name` (the model's for its first holder, a
+        copy for the others; a chunk not run yet has none): how a caller sees that per-stage state agrees, such as
+        AMP's loss scale."""
+        resolved = self.binding.resolve()
+        holders = self.holders.get(name, [])
+        return {s: resolved[name] if s == holders[0] else self.copies[(s, name)] for s in holders
+                if s == holders[0] or (s, name) in self.copies}
+
     def _hyper_values(self) -> list:
         """The optimizer's values for this step. Under gradient merge, the flags saying that a piece of optimizer
         state does not exist yet (momentum's fresh buffer) are those of the merge period's first step: the state

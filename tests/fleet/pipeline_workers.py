@@ -8,7 +8,8 @@ import sys
 
 import torch
 import torch.distributed as dist
-from helpers.pipeline import STAGED
+import torch.nn.functional as F
+from helpers.pipeline import SCALING_STATE, STAGED, TwoStageMLP, amp_pipeline_strategy
 from zoo import OPTIMIZERS, ZOO
 
 import fleetc
@@ -58,11 +59,13 @@ def fleet_train(rank: int, args: dict, out_dir: str) -> None:
     replicas = world // stages
     make, optimizer_name = STAGED[args["model"]]
     torch.manual_seed(rank)  # different on every rank: the trainer broadcasts rank 0's parameters
-    model = make(stages)
+    vpp = args.get("vpp", 1)  # VPP: each process holds vpp of the model's device_guard stages
+    model = make(stages * vpp)
     strategy = fleetc.DistributedStrategy()
     strategy.pipeline = True
     strategy.pipeline_configs = {"micro_batch_size": args["batch"] // (replicas * args["microbatches"]),
-                                 "accumulate_steps": args["microbatches"], "schedule_mode": args["mode"]}
+                                 "accumulate_steps": args["microbatches"], "schedule_mode": args["mode"],
+                                 "vpp_degree": vpp}
     if args.get("k_steps", 1) > 1:
         strategy.gradient_merge = True
         strategy.gradient_merge_configs = {"k_steps": args["k_steps"]}
@@ -77,14 +80,45 @@ def fleet_train(rank: int, args: dict, out_dir: str) -> None:
     pipe = trainer._last_train.pipeline
     named = {n: p.detach().clone() for n, p in model.named_parameters()}  # before a checkpoint gathers the rest
     evaluated = trainer(batch[0]) if args.get("evaluate") else None   # every rank calls it
+    eval_executor = type(trainer._last_eval.pipeline).__name__ if args.get("evaluate") else None
     resumed = {}
     if args.get("checkpoint"):
         fleet.save_persistables(os.path.join(out_dir, "checkpoint"))
         resumed = _resume(rank, args, strategy, os.path.join(out_dir, "checkpoint"), g)
     torch.save({"losses": losses, "mesh": str(trainer.mesh), "executor": type(pipe).__name__, "evaluated": evaluated, "resumed": resumed,
+                "eval_executor": eval_executor,
                 "skipped": trainer.report().skipped,
-                "params": {n: named[n] for n in pipe.plan.stages[pipe.ranks_here[0]].params}},
+                "params": {n: named[n] for s in pipe.chunks for n in pipe.plan.stages[s].params}},
                os.path.join(out_dir, f"rank{rank}.pt"))
+    fleet.barrier_worker()
+    fleet.stop_worker()
+
+
+def amp_train(rank: int, args: dict, out_dir: str) -> None:
+    """Pipeline × AMP through fleet.init: TwoStageMLP, one stage per process, bf16 with dynamic loss scaling; from
+    step `overflow_step` on, stage 1's weight is made huge so that only stage 0's gradients overflow. On 4
+    processes, two replicas (mesh order: dp outermost), each fed its half of the global batch. Saves per step the
+    loss, this rank's loss-scaling state and its stage's parameters."""
+    fleet.init(is_collective=True)
+    replicas = dist.get_world_size() // 2
+    torch.manual_seed(0)
+    model = TwoStageMLP()
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                      amp_pipeline_strategy(args))
+    trainer = fleetc.compile(model, optimizer=opt, loss_fn=F.cross_entropy)
+    g = torch.Generator().manual_seed(1)
+    steps = []
+    for step in range(args["steps"]):
+        if step == args["overflow_step"]:
+            model.make_overflow()
+        size = args["batch"] * replicas
+        x, y = torch.randn(size, 4, generator=g), torch.randint(0, 3, (size,), generator=g)
+        loss = float(trainer.step(x.chunk(replicas)[rank // 2], y.chunk(replicas)[rank // 2]))
+        pipe = trainer._last_train.pipeline
+        stage = pipe.plan.stages[pipe.ranks_here[0]]
+        steps.append({"loss": loss, "scaling": [float(pipe.held_values(n)[stage.stage]) for n in SCALING_STATE],
+                      "params": {n: p.detach().clone() for n, p in model.named_parameters() if n in stage.params}})
+    torch.save({"steps": steps, "executor": type(pipe).__name__}, os.path.join(out_dir, f"rank{rank}.pt"))
     fleet.barrier_worker()
     fleet.stop_worker()
 

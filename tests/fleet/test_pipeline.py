@@ -6,7 +6,14 @@ import os
 
 import pytest
 import torch
-from helpers.pipeline import STAGED, eager_accumulating_step
+import torch.nn.functional as F
+from helpers.pipeline import (
+    SCALING_STATE,
+    STAGED,
+    TwoStageMLP,
+    amp_pipeline_strategy,
+    eager_accumulating_step,
+)
 from zoo import OPTIMIZERS, ZOO
 
 import fleetc
@@ -104,6 +111,16 @@ def test_fleet_compile_runs_one_stage_per_process(zoo_name, mode, tmp_path):
         assert all("tok.weight" in r.result["params"] for r in results)  # tied: both stages hold it
 
 
+@pytest.mark.parametrize("mode, vpp", [("ZBH1", 1), ("VPP", 2)])
+def test_fleet_zero_bubble_and_interleaved_schedules_on_the_cnn(mode, vpp, tmp_path):
+    """ZB-H1, and VPP with 4 device_guard stages on 2 processes (each holding 2, interleaved), through fleet.init and
+    distributed_optimizer: matches eager accumulation over the same micro-batches."""
+    args = {"model": "cnn", "mode": mode, "vpp": vpp, "microbatches": MICROBATCHES, "steps": STEPS, "stages": 2,
+            "batch": 4}
+    results = spawn(2, "fleet_train", args, tmp_path, deadline_s=150, module="fleet.pipeline_workers")
+    _check_fleet_run(results, "cnn", 2, MICROBATCHES)
+
+
 def test_gradient_merge_and_global_norm_clipping_across_processes(tmp_path):
     """CNN, FThenB, one stage per process: gradient merge k_steps=2 (one update every 2 step() calls, on the average)
     and ClipGradByGlobalNorm, whose norm is summed over the two processes' stages."""
@@ -114,7 +131,8 @@ def test_gradient_merge_and_global_norm_clipping_across_processes(tmp_path):
 
 
 def test_checkpoint_and_evaluation_of_a_two_stage_run(tmp_path):
-    """Evaluation on every rank sees the whole current model. The checkpoint resumes on the same pipeline. Each
+    """Evaluation runs pipelined (forward only, micro-batched, each rank on its own stages' current state) and every
+    rank returns the eager model's outputs. The checkpoint resumes on the same pipeline. Each
     stage's state (CNN: parameters, BatchNorm statistics, momentum buffers) is gathered before the first
     rank writes: the checkpoint loads into a single process, which then trains on exactly like eager."""
     args = {"model": "cnn", "mode": "1F1B", "microbatches": MICROBATCHES, "steps": STEPS, "stages": 2, "batch": 4,
@@ -142,6 +160,7 @@ def test_checkpoint_and_evaluation_of_a_two_stage_run(tmp_path):
             reference.eval()
             with torch.no_grad():                # evaluation on every rank sees every stage's current state
                 for r in results:
+                    assert r.result["eval_executor"] == "ForwardPipeline"
                     torch.testing.assert_close(r.result["evaluated"], reference(batch[0]))
             reference.train()
     torch.testing.assert_close(trainer.step(*batch), torch.tensor(expected))  # one more step: momentum restored too
@@ -162,6 +181,48 @@ def test_pipeline_times_data_parallel_on_four_processes(zoo_name, tmp_path):
     args = {"model": zoo_name, "mode": "1F1B", "microbatches": 2, "steps": STEPS, "stages": 2, "batch": 4}
     results = spawn(4, "fleet_train", args, tmp_path, deadline_s=240, module="fleet.pipeline_workers")
     _check_fleet_run(results, zoo_name, 2, 2)
+
+
+@pytest.mark.parametrize("processes", [2] + ([4] if os.environ.get("FLEETC_FULL") else []))
+def test_amp_stages_skip_together_and_keep_one_loss_scale(processes, tmp_path):
+    """Pipeline × AMP (bf16, dynamic loss scaling) through fleet.init, 2 stages (× 2 data-parallel replicas on 4
+    processes): two clean steps (the scale grows after each), then stage 1's weight made huge, which overflows only
+    stage 0's gradients: every process skips both steps, and after the second bad step all halve the scale. Every
+    step matches AMP without pipeline (gradient merge over all replicas' micro-batches) in one process."""
+    args = {"steps": 4, "overflow_step": 2, "batch": 4, "microbatches": 2, "mode": "1F1B",
+            "amp": {"incr_every_n_steps": 1, "decr_every_n_nan_or_inf": 2, "decr_ratio": 0.5}}
+    results = spawn(processes, "amp_train", args, tmp_path, deadline_s=240, module="fleet.pipeline_workers")
+    replicas, m = processes // 2, args["microbatches"]
+    for r in results:
+        assert r.returncode == 0, r.output[-3000:]
+        assert r.result["executor"] == "DistributedPipeline"
+    torch.manual_seed(0)
+    model = TwoStageMLP()
+    trainer = fleetc.compile(model, amp_pipeline_strategy({**args, "microbatches": replicas * m}, pipeline=False),
+                             optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                             loss_fn=F.cross_entropy)
+    g = torch.Generator().manual_seed(1)
+    for step in range(args["steps"]):
+        if step == args["overflow_step"]:
+            model.make_overflow()
+        size = args["batch"] * replicas
+        x, y = torch.randn(size, 4, generator=g), torch.randint(0, 3, (size,), generator=g)
+        losses = torch.stack([trainer.step(*micro) for micro in zip(x.chunk(replicas * m), y.chunk(replicas * m))])
+        scaling = [float(trainer.counters[name]) for name in SCALING_STATE]
+        for r in results:
+            done = r.result["steps"][step]
+            where = f"rank {r.rank}, step {step}"
+            loss = losses[r.rank // 2 * m:(r.rank // 2 + 1) * m].mean()   # its replica's micro-batches
+            torch.testing.assert_close(torch.tensor(done["loss"]), loss.detach(),
+                                       msg=lambda msg, w=where: f"{w}: {msg}")
+            assert done["scaling"] == scaling, where
+            for name, value in done["params"].items():
+                torch.testing.assert_close(value, dict(model.named_parameters())[name].detach(),
+                                           msg=lambda m, w=where, name=name: f"{w} {name}: {m}")
+            if step > args["overflow_step"]:   # skipped on both: the parameters of the step before (the first bad
+                before = r.result["steps"][step - 1]["params"]   # step's hold stage 1's injected weight)
+                assert all(torch.equal(v, before[n]) for n, v in done["params"].items()), where
+    assert [r.result["steps"][-1]["scaling"] for r in results] == [[2.0 ** 16, 0.0, 0.0]] * processes
 
 
 @pytest.mark.parametrize("fault", ["kill", "hang"])

@@ -6,6 +6,7 @@ import copy
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from zoo import OPTIMIZERS, ZOO, SmallCNN, TinyGPT
 
 import fleetc
@@ -53,6 +54,48 @@ class StagedCNN(SmallCNN):
                 h = block(h)
         with fleetc.device_guard(_stage(3, 4, self.stages)):
             return self.head(h.mean(dim=(2, 3)))
+
+
+class TwoStageMLP(nn.Module):
+    """Linear + tanh on stage 0, Linear on stage 1 (3 classes). `make_overflow()` sets two rows of stage 1's weight
+    huge: the gradient stage 1 sends back to stage 0 overflows once loss-scaled, while stage 1's own parameter
+    gradients stay finite, so only stage 0 sees an inf."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with fleetc.device_guard("stage:0"):
+            h = torch.tanh(self.a(x))
+        with fleetc.device_guard("stage:1"):
+            return self.b(h)
+
+    @torch.no_grad()
+    def make_overflow(self) -> None:
+        self.b.weight[0].fill_(1e36)     # rows that differ: softmax's gradient sums to 0 over the classes
+        self.b.weight[1].fill_(-1e36)
+
+
+SCALING_STATE = ("loss_scaling", "num_good_steps", "num_bad_steps")  # AMP's loss-scaling counters
+
+
+def amp_pipeline_strategy(args: dict, pipeline: bool = True) -> fleetc.DistributedStrategy:
+    """bf16 AMP with `args["amp"]` settings; with `pipeline`, `args["microbatches"]` micro-batches of
+    `args["batch"]` samples on the device_guard stages (`args["mode"]`); without, the reference: gradient merge
+    over the same micro-batches, averaged as the pipeline's micro-batch gradients are."""
+    strategy = fleetc.DistributedStrategy()
+    strategy.amp = True
+    strategy.amp_configs = {"dtype": "bfloat16", **args.get("amp", {})}
+    m = args["microbatches"]
+    if pipeline:
+        strategy.pipeline = True
+        strategy.pipeline_configs = {"micro_batch_size": args["batch"] // m, "accumulate_steps": m,
+                                     "schedule_mode": args.get("mode", "1F1B")}
+    else:
+        strategy.gradient_merge = True
+        strategy.gradient_merge_configs = {"k_steps": m, "avg": True}
+    return strategy
 
 
 STAGED = {"gpt": (StagedGPT, "adam"), "cnn": (StagedCNN, "momentum")}

@@ -21,11 +21,14 @@ GLOBAL = "fleetc.clip_by_global_norm"
 PER_GRADIENT = ("fleetc.clip_by_norm", "fleetc.clip_by_value")
 
 
-def split_clip_ops(program: Program, param_stages: dict[str, list[int]], count: int) -> None:
-    """Replace each clip op over several stages' gradients by one per stage (see the module docstring)."""
+def split_clip_ops(program: Program, param_stages: dict[str, list[int]], count: int,
+                   aliases: dict[str, str] | None = None) -> None:
+    """Replace each clip op over several stages' gradients by one per stage (see the module docstring). `aliases`
+    names other Vars holding a gradient (AMP's unscaled copies) → that gradient."""
     block = program.global_block
     grads = program.metadata.get("optimizer", {}).get("grads", {})
     holders = {grad: param_stages.get(param, [0]) for param, grad in grads.items()}
+    holders.update({alias: holders[grad] for alias, grad in (aliases or {}).items() if grad in holders})
     ops: list[Op] = []
     for op in block.ops:
         if op.type not in (SQUARED_NORM, GLOBAL, *PER_GRADIENT) or annotated_stage(op) is not None:
@@ -51,13 +54,21 @@ def split_clip_ops(program: Program, param_stages: dict[str, list[int]], count: 
 def _squared_norm_part(program: Program, op: Op, names: list[str], s: int, count: int) -> list[Op]:
     """Stage s's squared norm of its gradients, then the sum over all stages into the op's output."""
     total = program.var(op.outputs[0])
-    part = program.global_block.add_var(Var(f"{total.name}@stage{s}", total.shape, total.dtype, total.device))
     attrs = {**op.attrs, "op_device": f"stage:{s}"}
-    compute = (Op(f"{op.name}@stage{s}", op.type, ([Ref(n) for n in names],), outputs=[part.name], attrs=dict(attrs))
+    part, total_sum = sum_over_stages(program, total, s, count, op.name, attrs)
+    compute = (Op(f"{op.name}@stage{s}", op.type, ([Ref(n) for n in names],), outputs=[part], attrs=dict(attrs))
                if names else
                Op(f"{op.name}@stage{s}", "aten.zeros.default", ([],), {"dtype": total.torch_dtype},
-                  outputs=[part.name], attrs=dict(attrs)))
-    total_sum = Op(f"{op.name}@sum{s}", "fleetc.pipeline_shared_sum", (Ref(part.name), list(range(count)),
-                                                                      f"shared:{total.name}"),
-                   outputs=[total.name], attrs={**attrs, "op_role": int(OpRole.OPTIMIZE | OpRole.COLLECTIVE)})
+                  outputs=[part], attrs=dict(attrs)))
     return [compute, total_sum]
+
+
+def sum_over_stages(program: Program, total: Var, s: int, count: int, op_name: str, attrs: dict) -> tuple[str, Op]:
+    """Stage s's part of `total` (a new Var `<total>@stage<s>`, for the caller to compute) and the op that adds
+    the parts of all `count` stages, in stage order, into `total` on stage s: every stage gets the same value, bit
+    for bit. Used for the squared global norm here and for AMP's found_inf (amp.py)."""
+    part = program.global_block.add_var(Var(f"{total.name}@stage{s}", total.shape, total.dtype, total.device))
+    total_sum = Op(f"{op_name}@sum{s}", "fleetc.pipeline_shared_sum", (Ref(part.name), list(range(count)),
+                                                                       f"shared:{total.name}"),
+                   outputs=[total.name], attrs={**attrs, "op_role": int(OpRole.OPTIMIZE | OpRole.COLLECTIVE)})
+    return part.name, total_sum

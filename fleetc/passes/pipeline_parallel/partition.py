@@ -27,6 +27,12 @@ from dataclasses import dataclass, field
 
 from fleetc.errors import PassError
 from fleetc.ir.program import Block, Op, OpRole, Program, Ref, Var, VarKind
+from fleetc.passes.data_parallel.allreduce import name_full_precision_gradients
+from fleetc.passes.pipeline_parallel.amp import (
+    inline_skip_block,
+    rewrap_skip_block,
+    split_found_inf,
+)
 from fleetc.passes.pipeline_parallel.clip import split_clip_ops
 from fleetc.passes.pipeline_parallel.replicas import (
     average_over_replicas,
@@ -92,10 +98,9 @@ class PipelinePlan:
 
 def partition(program: Program, microbatches: int) -> PipelinePlan:
     """The PipelinePlan of a captured training Program annotated with device_guard stages."""
-    if len(program.blocks) != 1:
-        raise PassError("the pipeline split needs a single-block Program: a conditional update (gradient merge, or a "
-                        "skip on overflow) cannot be split across stages yet")
     work = program.clone()
+    inline_skip_block(work)
+    name_full_precision_gradients(work, list(work.metadata.get("optimizer", {}).get("grads", {}).values()))
     ops = work.global_block.ops
     for op in ops:
         if op.role & OpRole.COLLECTIVE:
@@ -107,7 +112,8 @@ def partition(program: Program, microbatches: int) -> PipelinePlan:
     shared = _split_shared_gradients(work, stage_map)
     stage_map = assign_stages(work)
     param_stages = _param_stages(work, stage_map, shared)
-    split_clip_ops(work, param_stages, stage_map.count)
+    split_clip_ops(work, param_stages, stage_map.count, split_found_inf(work, param_stages, stage_map.count))
+    ops = work.global_block.ops
     opt_stages = _optimizer_stages(work, stage_map, param_stages)
     count = stage_map.count
     st = stage_map.stage
@@ -328,6 +334,7 @@ def _stage_programs(program: Program, s: int, stage_map: StageMap, opt_stages: d
                 if name in defined:
                     fetches[f"grad:{key}"] = name
         phases[phase] = _sub_program(program, body, fetches, f"pipeline stage {s} {phase}")
+    rewrap_skip_block(phases["optimizer"])
     params = sorted(p for p, holders in param_stages.items() if s in holders)
     return StagePrograms(s, phases, params)
 

@@ -20,8 +20,10 @@ from fleetc.comm.mesh import _pipeline_degree
 from fleetc.errors import PassStrategyError, StrategyError
 from fleetc.ir.program import Program, VarKind
 from fleetc.passes.base import PassReport
+from fleetc.passes.pipeline_parallel.amp import CHECK_FINITE
 from fleetc.passes.pipeline_parallel.auto import auto_partition
 from fleetc.passes.pipeline_parallel.clip import SQUARED_NORM
+from fleetc.passes.pipeline_parallel.forward_only import partition_forward
 from fleetc.passes.pipeline_parallel.partition import PipelinePlan, partition
 from fleetc.passes.pipeline_parallel.schedule import Schedule, build_schedule
 from fleetc.passes.pipeline_parallel.simulate import simulate
@@ -48,11 +50,9 @@ class PipelineSplit:
         if whole:
             report.skipped_reason = whole
             return program, report
-        if config.amp:
-            raise PassStrategyError("pipeline with amp is not supported yet: found_inf and the loss-scaling state "
-                                    "must agree across stages (an all-reduce over the pipeline group), so that no "
-                                    "stage updates while another skips; switch strategy.amp or strategy.pipeline off")
         pipe = config.pipeline_configs
+        if program.metadata.get("kind") == "eval":
+            return self._forward_only(program, pipe, report)
         annotated = has_stage_annotations(program)
         with _as_pass_error():
             stages = _pipeline_degree(config, config.hybrid_configs.pp_degree,
@@ -68,10 +68,12 @@ class PipelineSplit:
         _check_batch(program, pipe.micro_batch_size)
         with _as_pass_error():
             schedule = _schedule(pipe.schedule_mode, stages, microbatches, pipe.vpp_degree)
-        if pipe.vpp_degree > 1 and any(op.type == SQUARED_NORM for op in program.global_block.ops):
-            raise PassStrategyError("global-norm gradient clipping with schedule_mode VPP is not supported yet: the "
-                                    "norm is summed over the chunks, and a rank holding several would wait on itself; "
-                                    "use 1F1B, FThenB or ZBH1, or ClipGradByNorm")
+        summed = {SQUARED_NORM: "global-norm gradient clipping", CHECK_FINITE: "amp (found_inf)"}
+        over_stages = sorted({summed[op.type] for _, op in program.walk_ops() if op.type in summed})
+        if pipe.vpp_degree > 1 and over_stages:
+            raise PassStrategyError(f"{' and '.join(over_stages)} with schedule_mode VPP is not supported yet: the "
+                                    "value is summed over the chunks, and a rank holding several would wait on "
+                                    "itself; use 1F1B, FThenB or ZBH1 (or ClipGradByNorm for clipping)")
         plan = partition(program, microbatches)
         simulation = simulate(schedule)
         _annotate(program, plan)
@@ -93,6 +95,27 @@ class PipelineSplit:
             report.notes.append(f"accumulate_steps={microbatches} micro-batches for {schedule.ranks} pipeline ranks: "
                                 f"valid but wasteful (bubble fraction {simulation.bubble_fraction:.0%}); use at least "
                                 f"{schedule.ranks} micro-batches")
+        return program, report
+
+    @staticmethod
+    def _forward_only(program: Program, pipe: Any, report: PassReport) -> tuple[Program, PassReport]:
+        """An evaluation Program: forward-only pipelining over its device_guard stages, on the micro-batches the
+        compiler captured it for (`metadata["pipeline_microbatches"]`, see `capture_microbatched`)."""
+        stages = assign_stages(program).count
+        if stages == 1:
+            report.skipped_reason = "one stage: the device_guard annotations of the evaluation Program name one stage"
+            return program, report
+        if "dynamic" in program.metadata:
+            report.skipped_reason = ("a dynamic-shape evaluation Program runs whole: pipeline messages have static "
+                                     "shapes")
+            return program, report
+        microbatches = program.metadata.get("pipeline_microbatches", 1)
+        plan = partition_forward(program, microbatches)
+        program.metadata["pipeline"] = {"stages": stages, "microbatches": microbatches, "forward_only": True,
+                                        "schedule_mode": pipe.schedule_mode, "vpp_degree": pipe.vpp_degree}
+        report.changed = True
+        report.stats.update(stages=stages, microbatches=microbatches)
+        report.notes += plan.describe().splitlines()
         return program, report
 
 

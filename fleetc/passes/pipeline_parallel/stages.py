@@ -45,7 +45,8 @@ def where(op: Op) -> str:
 def runs_whole(program: Program) -> str | None:
     """Why the pipeline pass leaves a Program whole whatever the stages (None: it splits it when there are several)."""
     if program.metadata.get("kind") == "eval":
-        return "an evaluation Program runs whole (forward-only pipelining is not built yet)"
+        return (None if has_stage_annotations(program) else "an evaluation Program without device_guard stages "
+                "runs whole (an automatic cut of it need not match the training cut)")
     if not any(is_optimize(op) for _, op in program.walk_ops()):
         return ("no optimizer update in the Program: pipelining needs fleetc.compile(optimizer=...) "
                 "(without one, gradients go to p.grad and the Program runs whole)")

@@ -119,12 +119,6 @@ def test_automatic_cut_balances_cost_and_prints_it():
         sorted(stage_of.values()) == ["stage:0"] * 2 + ["stage:1"] * 3
 
 
-def test_eval_program_is_left_whole_with_a_reason():
-    trainer, _ = _compile_step(Guarded(), _strategy())
-    trainer(torch.randn(4, 4))
-    assert trainer.eval_program.metadata.get("pipeline") is None
-
-
 def test_dump_ir_pipeline_prints_the_schedule_and_stage_programs(capsys):
     assert main(["dump-ir", "cli_factories:mlp_pipeline", "--verify", "--pipeline"]) == 0
     out = capsys.readouterr().out
@@ -288,13 +282,6 @@ def test_pipeline_composes_with_recompute_per_stage():
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, msg=lambda m, name=name: f"{name}: {m}")
     assert {"recompute", "pipeline_split"} <= set(trainer.report().applied)
-
-
-def test_pipeline_with_amp_is_refused_with_the_reason():
-    strategy = _strategy()
-    strategy.amp = True
-    with pytest.raises(StrategyError, match="pipeline with amp is not supported yet: found_inf"):
-        _compile_step(Guarded(), strategy)
 
 
 def test_without_an_optimizer_the_program_runs_whole_with_the_reason():
