@@ -102,10 +102,10 @@ class DataParallelTrainer(CompiledTrainer):
     def _optimize(self, program: Program, capture_seconds: float) -> tuple[Program, History, CompileReport]:
         if pipelined(program, self.config):  # the stage count of device_guard is known now
             self.mesh, _ = resolve_mesh(self.config, self.world_size, pipeline_stages(program))
-        # the ranks that hold the same stage average gradients; pipeline stages are the other ranks
+        # the ranks that hold the same stage (dp × sharding) average gradients; pipeline stages are the other ranks
         program.metadata["data_parallel"] = {"world_size": self.world_size // self.mesh.pp}
         if self.mesh.pp > 1:
-            program.metadata["data_parallel"]["groups"] = self.mesh.groups("dp")
+            program.metadata["data_parallel"]["groups"] = self.mesh.groups("dp", "sharding")
         if self.config.sharding and self.world_size > 1:
             program.metadata["sharding"] = sharding_metadata(self.mesh, env.rank())
         return super()._optimize(program, capture_seconds)
