@@ -109,6 +109,10 @@ def resolve_mesh(config: Any, world_size: int, stages: int | None = None) -> tup
     if dp_given is not None:
         _must_divide(world_size, dp_given, "hybrid_configs.dp_degree")
     sharding, source = _sharding_degree(config, hybrid.sharding_degree, world_size // (pp * (dp_given or 1)), notes)
+    if pp > 1 and (sharding < 1 or (world_size // pp) % sharding):
+        raise StrategyError(f"{source} is {sharding}, which does not divide the {world_size // pp} ranks of each "
+                            f"pipeline stage (world size {world_size} / {pp} stages): each stage is sharded over "
+                            "its own ranks")
     _must_divide(world_size // pp, sharding, source)
     dp = dp_given if dp_given is not None else world_size // (pp * sharding)
     if dp_given is None and dp > 1:
