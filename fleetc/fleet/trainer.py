@@ -185,6 +185,10 @@ class DataParallelTrainer(CompiledTrainer):
     def save_checkpoint(self, dirname: str) -> str:
         """Every rank calls it: their RNG states are gathered, the first rank writes a new crash-safe version, and
         all wait for it (CheckpointError on every rank when the write failed)."""
+        if self._owned is not None and self.mesh.pp > 1:  # same on every rank: all refuse, nobody waits
+            raise CheckpointError("checkpoints of a sharded pipeline (strategy.sharding with strategy.pipeline across "
+                                  "processes) are not built yet: each stage's optimizer state is split over its "
+                                  "sharding group, and the shard files are named by the sharding rank alone")
         with whole(self._sharded_params):
             return self._save_whole(dirname)
 

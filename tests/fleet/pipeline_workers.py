@@ -86,6 +86,11 @@ def fleet_train(rank: int, args: dict, out_dir: str) -> None:
     sharding = {"owned": sorted(trainer._owned or ()),
                 "optimizer_ops": [op.type for op in optimizer_program.global_block.ops],
                 "state": sorted(n for n, p in model.named_parameters() if trainer.optimizer.state.get(p))}
+    if args.get("sharding_stage"):  # refused by name on every rank (none waits for the others)
+        try:
+            fleet.save_persistables(os.path.join(out_dir, "checkpoint"))
+        except fleetc.CheckpointError as error:
+            sharding["checkpoint"] = str(error)
     named = {n: p.detach().clone() for n, p in model.named_parameters()}  # before a checkpoint gathers the rest
     evaluated = trainer(batch[0]) if args.get("evaluate") else None   # every rank calls it
     resumed = {}

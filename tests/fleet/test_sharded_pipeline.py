@@ -19,18 +19,21 @@ from fleetc.passes.sharding.optimizer_sharding import GATHER, RS_START
 pytestmark = pytest.mark.slow  # CI still runs them
 
 STEPS, MICROBATCHES, STAGES, SHARDS = 2, 2, 2, 2
-CASES = [("gpt", 2)] + ([("gpt", 1), ("cnn", 1), ("cnn", 2)] if os.environ.get("FLEETC_FULL") else [])
+# (zoo model, sharding stage, global-norm clip): ClipGradByGlobalNorm's norm sums over the sharding group (stage 2
+# keeps only owned gradients) and over the stages
+CASES = [("gpt", 2, None)] + ([("gpt", 1, None), ("cnn", 1, None), ("cnn", 2, None), ("gpt", 2, 0.05)]
+                              if os.environ.get("FLEETC_FULL") else [])
 
 
-@pytest.mark.parametrize("zoo_name, stage", CASES)
-def test_sharded_stages_of_a_pipeline_match_eager(zoo_name, stage, tmp_path):
+@pytest.mark.parametrize("zoo_name, stage, clip_norm", CASES)
+def test_sharded_stages_of_a_pipeline_match_eager(zoo_name, stage, clip_norm, tmp_path):
     args = {"model": zoo_name, "mode": "1F1B", "microbatches": MICROBATCHES, "steps": STEPS, "stages": STAGES,
-            "batch": 4, "sharding_stage": stage}
+            "batch": 4, "sharding_stage": stage, "clip_norm": clip_norm}
     results = spawn(STAGES * SHARDS, "fleet_train", args, tmp_path, deadline_s=300, module="fleet.pipeline_workers")
     for r in results:
         assert r.returncode == 0, r.output[-3000:]
     mesh = ProcessMesh(pp=STAGES, sharding=SHARDS)
-    losses, params = fleet_reference(zoo_name, STAGES, SHARDS * MICROBATCHES, STEPS)
+    losses, params = fleet_reference(zoo_name, STAGES, SHARDS * MICROBATCHES, STEPS, clip_norm=clip_norm)
     owners: dict[tuple[int, str], list[int]] = {}
     for r in results:
         assert r.result["executor"] == "DistributedPipeline" and r.result["mesh"] == str(mesh)
@@ -40,6 +43,7 @@ def test_sharded_stages_of_a_pipeline_match_eager(zoo_name, stage, tmp_path):
             torch.testing.assert_close(value, params[name],
                                        msg=lambda m, name=name, rank=r.rank: f"rank {rank} {name}: {m}")
         sharding = r.result["sharding"]
+        assert sharding.get("checkpoint", "written").startswith("checkpoints of a sharded pipeline (strategy.sharding with")
         ops = sharding["optimizer_ops"]
         assert ops.count(GATHER) >= 1 and (RS_START in ops) == (stage == 2) and (START in ops) == (stage == 1)
         owned = set(sharding["owned"]) & set(r.result["params"])
