@@ -9,7 +9,8 @@ import os
 
 import pytest
 import torch
-from helpers.pipeline import fleet_reference
+from helpers.pipeline import STAGED, fleet_reference
+from zoo import ZOO
 
 from fleet.spawn import spawn
 from fleetc.comm.mesh import ProcessMesh
@@ -19,21 +20,33 @@ from fleetc.passes.sharding.optimizer_sharding import GATHER, RS_START
 pytestmark = pytest.mark.slow  # CI still runs them
 
 STEPS, MICROBATCHES, STAGES, SHARDS = 2, 2, 2, 2
-# (zoo model, sharding stage, global-norm clip): ClipGradByGlobalNorm's norm sums over the sharding group (stage 2
-# keeps only owned gradients) and over the stages
-CASES = [("gpt", 2, None)] + ([("gpt", 1, None), ("cnn", 1, None), ("cnn", 2, None), ("gpt", 2, 0.05)]
-                              if os.environ.get("FLEETC_FULL") else [])
+# (zoo model, sharding stage, global-norm clip, gradient merge k_steps): ClipGradByGlobalNorm's norm sums over the
+# sharding group (stage 2 keeps only owned gradients) and over the stages; gradient merge runs the sharded update
+# every k_steps steps
+CASES = [("gpt", 2, None, 1)] + ([("gpt", 1, None, 1), ("cnn", 1, None, 1), ("cnn", 2, None, 1),
+                                  ("gpt", 2, 0.05, 1), ("gpt", 2, None, 2)] if os.environ.get("FLEETC_FULL") else [])
 
 
-@pytest.mark.parametrize("zoo_name, stage, clip_norm", CASES)
-def test_sharded_stages_of_a_pipeline_match_eager(zoo_name, stage, clip_norm, tmp_path):
-    args = {"model": zoo_name, "mode": "1F1B", "microbatches": MICROBATCHES, "steps": STEPS, "stages": STAGES,
-            "batch": 4, "sharding_stage": stage, "clip_norm": clip_norm}
+@pytest.mark.parametrize("zoo_name, stage, clip_norm, k_steps", CASES)
+def test_sharded_stages_of_a_pipeline_match_eager(zoo_name, stage, clip_norm, k_steps, tmp_path):
+    args = {"model": zoo_name, "mode": "1F1B", "microbatches": MICROBATCHES, "steps": STEPS * k_steps,
+            "stages": STAGES, "batch": 4, "sharding_stage": stage, "clip_norm": clip_norm, "k_steps": k_steps,
+            "evaluate": zoo_name == "gpt"}  # GPT: no BatchNorm statistics, which each replica keeps its own of
     results = spawn(STAGES * SHARDS, "fleet_train", args, tmp_path, deadline_s=300, module="fleet.pipeline_workers")
     for r in results:
         assert r.returncode == 0, r.output[-3000:]
     mesh = ProcessMesh(pp=STAGES, sharding=SHARDS)
-    losses, params = fleet_reference(zoo_name, STAGES, SHARDS * MICROBATCHES, STEPS, clip_norm=clip_norm)
+    losses, params = fleet_reference(zoo_name, STAGES, SHARDS * MICROBATCHES, STEPS, k_steps, clip_norm)
+    if args["evaluate"]:  # evaluation on every rank sees every stage's current, whole parameters
+        make, _ = STAGED[zoo_name]
+        reference = make(STAGES)
+        reference.load_state_dict({**reference.state_dict(), **params})
+        g = torch.Generator().manual_seed(1)
+        batches = [ZOO[zoo_name].make_batch(g)[0] for _ in range(STEPS * k_steps)]
+        with torch.no_grad():
+            expected = reference.eval()(batches[-1][0])
+        for r in results:
+            torch.testing.assert_close(r.result["evaluated"], expected)
     owners: dict[tuple[int, str], list[int]] = {}
     for r in results:
         assert r.result["executor"] == "DistributedPipeline" and r.result["mesh"] == str(mesh)
