@@ -73,7 +73,7 @@ def test_each_stage_updates_only_what_its_sharding_rank_owns(stage):
             assert (RS_START in types) == (stage == 2) and (START in types) == (stage == 1)
     tied = runs[0][1].shared  # the tied embedding: summed over its stages before the sharded average
     assert tied
-    for name, holders in tied.items():
+    for holders in tied.values():
         for s in holders:
             types = [op.type for op in runs[0][1].stages[s].phases["optimizer"].global_block.ops]
             assert types.index("fleetc.pipeline_shared_sum") < types.index(RS_START if stage == 2 else START)
