@@ -24,8 +24,8 @@ from fleetc.strategy import resolve_conflicts, resolve_strategy
 MESH = ProcessMesh(pp=2, sharding=2)
 
 
-def _split(stage: int, rank: int):
-    """The GPT's training Program through the passes as rank `rank` of MESH compiles it: (program, plan, sharding
+def _split(stage: int, rank: int, mesh: ProcessMesh = MESH):
+    """The GPT's training Program through the passes as rank `rank` of `mesh` compiles it: (program, plan, sharding
     pass report)."""
     strategy = fleetc.DistributedStrategy()
     strategy.pipeline = True
@@ -38,8 +38,9 @@ def _split(stage: int, rank: int):
     batch, _ = ZOO["gpt"].make_batch(torch.Generator().manual_seed(0))
     program = capture_train_program(model, ZOO["gpt"].loss_fn, torch.optim.Adam(model.parameters(), lr=0.1),
                                     tuple(a[:1] for a in batch), {})
-    program.metadata["data_parallel"] = {"world_size": 2, "groups": MESH.groups("dp", "sharding")}
-    program.metadata["sharding"] = sharding_metadata(MESH, rank)
+    program.metadata["data_parallel"] = {"world_size": mesh.world_size // mesh.pp,
+                                         "groups": mesh.groups("dp", "sharding")}
+    program.metadata["sharding"] = sharding_metadata(mesh, rank)
     program, _ = InsertAllreduce().run(program, config)
     program, report = Sharding().run(program, config)
     program, _ = PipelineSplit().run(program, config)
@@ -82,3 +83,16 @@ def test_each_stage_updates_only_what_its_sharding_rank_owns(stage):
 def test_stage_3_under_pipeline_is_refused_by_name():
     with pytest.raises(PassStrategyError, match="sharding_configs.stage 3 with pipeline is not supported"):
         _split(3, 0)
+
+
+def test_with_data_parallel_replicas_the_shards_are_averaged_over_the_dp_axis():
+    """dp=2 × pp=2 × sharding=2 (8 ranks, Program level only): a stage's replicas are 4 ranks; stage 2 reduce-scatters
+    over the 2-rank sharding group, then sums the shard over the dp axis."""
+    mesh = ProcessMesh(dp=2, pp=2, sharding=2)
+    program, plan, _ = _split(2, mesh.rank(dp=1, pp=1, sharding=1), mesh)
+    groups = program.metadata["collective_groups"]
+    assert groups["dp:0"] == mesh.groups("dp", "sharding") and groups["sharding"] == mesh.groups("sharding")
+    assert groups["sharding_dp"] == mesh.groups("dp")
+    for stage in plan.stages:
+        scatter = next(op for op in stage.phases["optimizer"].global_block.ops if op.type == RS_START)
+        assert scatter.args[3:5] == ("sharding", "sharding_dp")
