@@ -5,6 +5,11 @@ coordinates are its digits in that mixed radix (mp varies fastest), so with dp=2
 replica 0's stages 0 and 1, ranks 2 and 3 replica 1's. A group along an axis is the set of ranks that differ only
 in that axis: the `pp` group of rank 2 is [2, 3], its `dp` group [0, 2].
 
+Under a pipeline the ranks that hold the same stage are those that differ only in `dp` and `sharding`
+(`groups("dp", "sharding")`): they average that stage's gradients. Each stage is sharded over its `sharding` group:
+with pp=2 × sharding=2, ranks 0 and 1 hold stage 0 and shard its optimizer state, ranks 2 and 3 stage 1; the
+pipelines are [0, 2] and [1, 3].
+
 Degrees come from `hybrid_configs` (Paddle's names), with these rules (`resolve_mesh`):
 - pp: the number of `device_guard("stage:i")` stages, or `hybrid_configs.pp_degree` when there are none; when
   both are given they must agree. pp > 1 needs `pipeline` on.
@@ -66,14 +71,15 @@ class ProcessMesh:
             rank = rank * size + index
         return rank
 
-    def groups(self, axis: str) -> list[list[int]]:
-        """The world partitioned along `axis`: each list holds the ranks that differ only in that coordinate."""
-        if axis not in AXES:
-            raise ValueError(f"unknown mesh axis {axis!r}; axes: {AXES}")
+    def groups(self, *axes: str) -> list[list[int]]:
+        """The world partitioned along `axes`: each list holds the ranks that differ only in those coordinates."""
+        unknown = [axis for axis in axes if axis not in AXES]
+        if unknown or not axes:
+            raise ValueError(f"unknown mesh axis {unknown[0] if unknown else None!r}; axes: {AXES}")
         found: dict[tuple, list[int]] = {}
         for rank in range(self.world_size):
             coords = self.coordinates(rank)
-            key = tuple(index for name, index in coords.items() if name != axis)
+            key = tuple(index for name, index in coords.items() if name not in axes)
             found.setdefault(key, []).append(rank)
         return list(found.values())
 
@@ -110,6 +116,10 @@ def resolve_mesh(config: Any, world_size: int, stages: int | None = None) -> tup
     if dp_given is not None:
         _must_divide(world_size, dp_given, "hybrid_configs.dp_degree")
     sharding, source = _sharding_degree(config, hybrid.sharding_degree, world_size // (pp * (dp_given or 1)), notes)
+    if pp > 1 and (sharding < 1 or (world_size // pp) % sharding):
+        raise StrategyError(f"{source} is {sharding}, which does not divide the {world_size // pp} ranks of each "
+                            f"pipeline stage (world size {world_size} / {pp} stages): each stage is sharded over "
+                            "its own ranks")
     _must_divide(world_size // pp, sharding, source)
     dp = dp_given if dp_given is not None else world_size // (pp * sharding)
     if dp_given is None and dp > 1:

@@ -103,10 +103,10 @@ class DataParallelTrainer(CompiledTrainer):
     def _optimize(self, program: Program, capture_seconds: float) -> tuple[Program, History, CompileReport]:
         if pipelined(program, self.config):  # the stage count of device_guard is known now
             self.mesh, _ = resolve_mesh(self.config, self.world_size, pipeline_stages(program))
-        # the ranks that hold the same stage average gradients; pipeline stages are the other ranks
+        # the ranks that hold the same stage (dp × sharding) average gradients; pipeline stages are the other ranks
         program.metadata["data_parallel"] = {"world_size": self.world_size // self.mesh.pp}
         if self.mesh.pp > 1:
-            program.metadata["data_parallel"]["groups"] = self.mesh.groups("dp")
+            program.metadata["data_parallel"]["groups"] = self.mesh.groups("dp", "sharding")
         if self.config.sharding and self.world_size > 1:
             program.metadata["sharding"] = sharding_metadata(self.mesh, env.rank())
         return super()._optimize(program, capture_seconds)
@@ -196,6 +196,10 @@ class DataParallelTrainer(CompiledTrainer):
     def save_checkpoint(self, dirname: str) -> str:
         """Every rank calls it: their RNG states are gathered, the first rank writes a new crash-safe version, and
         all wait for it (CheckpointError on every rank when the write failed)."""
+        if self._owned is not None and self.mesh.pp > 1:  # same on every rank: all refuse, nobody waits
+            raise CheckpointError("checkpoints of a sharded pipeline (strategy.sharding with strategy.pipeline across "
+                                  "processes) are not built yet: each stage's optimizer state is split over its "
+                                  "sharding group, and the shard files are named by the sharding rank alone")
         with whole(self._sharded_params):
             return self._save_whole(dirname)
 

@@ -65,6 +65,7 @@ PASS_ORDER: tuple[type, ...] = (
     InsertAllreduce,  # data parallel only: average every gradient across ranks
     FuseAllreduce,  # one flat buffer and one collective per bucket of gradients
     Sharding,  # owners update their parameters; stage 2 turns the buckets into reduce-scatters (before views)
+    # (under a pipeline it defers: PipelineSplit shards each stage's optimizer Program over the stage's group)
     AllreduceViews,  # gradient producers write into their bucket's buffer (no packing copy)
     OverlapAllreduce,  # wait for a bucket just before its first consumer (sync_nccl_allreduce=False)
     PipelineSplit,  # stages from device_guard (or an automatic cut), per-stage Programs and the schedule

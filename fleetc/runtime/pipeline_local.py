@@ -63,6 +63,7 @@ class PipelineExecutor:
                 for var in p.persistables():
                     if s not in self.holders.setdefault(var.name, []):
                         self.holders[var.name].append(s)
+        self.binding.keep_only(set(self.holders))  # no optimizer state for other ranks' stages or shards
         self.copies: dict[tuple[int, str], torch.Tensor] = {}
         self.k_steps, self.merge_avg = k_steps, merge_avg
         self.steps_merged = 0  # steps whose gradients the carried sums hold

@@ -43,6 +43,11 @@ class StateBinding:
         self.group_of = {id(p): group for group in (optimizer.param_groups if optimizer else ()) for p in group["params"]}
         self.declared = {(id(param), key): dtype for _, param, key, _, dtype in self.optimizer_state}
 
+    def keep_only(self, names: set[str]) -> None:
+        """Resolve only the optimizer state among `names` from now on: state no Program of this process reads (a
+        pipeline rank's other stages, a sharding rank's foreign parameters) is then never created here."""
+        self.optimizer_state = [entry for entry in self.optimizer_state if entry[0] in names]
+
     def _convert_params(self, program: Program, named: dict[str, torch.Tensor]) -> None:
         """amp use_pure_fp16 declares parameters in low precision: convert the module's own parameters in place
         (like Paddle's `decorate`), after seeding the optimizer's float32 `master_weight` from them."""

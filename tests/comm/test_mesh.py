@@ -33,6 +33,15 @@ def test_groups_partition_the_world_along_one_axis():
         assert sorted(r for group in mesh.groups(axis) for r in group) == list(range(4))
 
 
+def test_groups_along_several_axes_are_the_ranks_of_one_pipeline_stage():
+    mesh = ProcessMesh(dp=2, pp=2, sharding=2)
+    assert mesh.groups("dp", "sharding") == [[0, 1, 4, 5], [2, 3, 6, 7]]  # the replicas of stage 0, of stage 1
+    assert mesh.groups("sharding") == [[0, 1], [2, 3], [4, 5], [6, 7]]   # each stage's sharding groups
+    assert mesh.groups("pp") == [[0, 2], [1, 3], [4, 6], [5, 7]]          # the pipelines
+    with pytest.raises(ValueError, match="unknown mesh axis 'tp'"):
+        mesh.groups("dp", "tp")
+
+
 def test_plain_data_parallel_is_all_dp():
     mesh, notes = resolve_mesh(config(), 4)
     assert mesh == ProcessMesh(dp=4) and notes == ["hybrid_configs.dp_degree is -1: 4 data-parallel replicas "
@@ -69,6 +78,13 @@ def test_sharding_degree_default_means_the_rest_of_the_world_and_says_so():
 def test_degrees_that_do_not_fit_the_world_name_the_field(fields, world, field):
     with pytest.raises(fleetc.StrategyError, match=field.replace(".", r"\.")):
         resolve_mesh(config(**fields), world)
+
+
+@pytest.mark.parametrize("degree", [3, 4])
+def test_a_sharding_degree_that_does_not_fit_a_pipeline_stage_names_the_field(degree):
+    with pytest.raises(fleetc.StrategyError, match=rf"sharding_configs\.sharding_degree is {degree}, which does not "
+                                                   r"divide the 2 ranks of each pipeline stage \(world size 4 / 2"):
+        resolve_mesh(config(sharding=True, pipeline=True, sharding_configs={"sharding_degree": degree}), 4, stages=2)
 
 
 def test_tensor_parallel_is_refused_by_name():

@@ -15,6 +15,7 @@ from zoo import OPTIMIZERS, ZOO
 import fleetc
 from fleetc import CollectiveError, fleet
 from fleetc.capture import capture_train_program
+from fleetc.comm.mesh import ProcessMesh
 from fleetc.passes.pipeline_parallel.partition import partition
 from fleetc.passes.pipeline_parallel.schedule import build_schedule
 from fleetc.runtime.pipeline_local import DistributedPipeline
@@ -66,6 +67,12 @@ def fleet_train(rank: int, args: dict, out_dir: str) -> None:
     strategy.pipeline_configs = {"micro_batch_size": args["batch"] // (replicas * args["microbatches"]),
                                  "accumulate_steps": args["microbatches"], "schedule_mode": args["mode"],
                                  "vpp_degree": vpp}
+    replica = rank // stages  # the mesh's rank order: dp, then pp (then sharding)
+    if args.get("sharding_stage"):  # every replica of a stage is in its sharding group
+        strategy.sharding = True
+        strategy.sharding_configs = {"stage": args["sharding_stage"], "sharding_degree": replicas}
+        coordinates = ProcessMesh(pp=stages, sharding=replicas).coordinates(rank)
+        replica = coordinates["sharding"]
     if args.get("k_steps", 1) > 1:
         strategy.gradient_merge = True
         strategy.gradient_merge_configs = {"k_steps": args["k_steps"]}
@@ -76,8 +83,17 @@ def fleet_train(rank: int, args: dict, out_dir: str) -> None:
     losses = []
     for _ in range(args["steps"]):
         batch, _ = ZOO[args["model"]].make_batch(g)
-        losses.append(float(trainer.step(*(a.chunk(replicas)[rank // stages] for a in batch))))
+        losses.append(float(trainer.step(*(a.chunk(replicas)[replica] for a in batch))))
     pipe = trainer._last_train.pipeline
+    optimizer_program = pipe.plan.stages[pipe.ranks_here[0]].phases["optimizer"]
+    sharding = {"owned": sorted(trainer._owned or ()),
+                "optimizer_ops": [op.type for op in optimizer_program.global_block.ops],
+                "state": sorted(n for n, p in model.named_parameters() if trainer.optimizer.state.get(p))}
+    if args.get("sharding_stage"):  # refused by name on every rank (none waits for the others)
+        try:
+            fleet.save_persistables(os.path.join(out_dir, "checkpoint"))
+        except fleetc.CheckpointError as error:
+            sharding["checkpoint"] = str(error)
     named = {n: p.detach().clone() for n, p in model.named_parameters()}  # before a checkpoint gathers the rest
     evaluated = trainer(batch[0]) if args.get("evaluate") else None   # every rank calls it
     eval_executor = type(trainer._last_eval.pipeline).__name__ if args.get("evaluate") else None
@@ -87,7 +103,7 @@ def fleet_train(rank: int, args: dict, out_dir: str) -> None:
         resumed = _resume(rank, args, strategy, os.path.join(out_dir, "checkpoint"), g)
     torch.save({"losses": losses, "mesh": str(trainer.mesh), "executor": type(pipe).__name__, "evaluated": evaluated, "resumed": resumed,
                 "eval_executor": eval_executor,
-                "skipped": trainer.report().skipped,
+                "skipped": trainer.report().skipped, "sharding": sharding,
                 "params": {n: named[n] for s in pipe.chunks for n in pipe.plan.stages[s].params}},
                os.path.join(out_dir, f"rank{rank}.pt"))
     fleet.barrier_worker()

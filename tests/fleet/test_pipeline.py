@@ -13,6 +13,7 @@ from helpers.pipeline import (
     TwoStageMLP,
     amp_pipeline_strategy,
     eager_accumulating_step,
+    fleet_reference,
 )
 from zoo import OPTIMIZERS, ZOO
 
@@ -58,29 +59,11 @@ def test_two_stage_gpt_over_gloo_matches_eager(mode, tmp_path):
     assert "tok.weight" in results[0].result["params"] and "tok.weight" in results[1].result["params"]  # tied
 
 
-def _fleet_reference(zoo_name: str, stages: int, microbatches: int, k_steps: int = 1,
-                     clip_norm: float | None = None) -> tuple[list[float], dict]:
-    """Eager PyTorch on one process: per step, the gradient of the mean loss over the global batch's micro-batches
-    (every replica's micro-batches: the replicas' average gradient is the gradient of that mean); one update every
-    k_steps steps on their average, clipped to the global norm `clip_norm`."""
-    make, optimizer_name = STAGED[zoo_name]
-    torch.manual_seed(0)
-    model = make(stages)
-    optimizer = OPTIMIZERS[optimizer_name](model.parameters())
-    g = torch.Generator().manual_seed(1)
-    losses = []
-    for step in range(STEPS * k_steps):
-        batch, _ = ZOO[zoo_name].make_batch(g)
-        losses.append(eager_accumulating_step(model, optimizer, ZOO[zoo_name].loss_fn, batch, microbatches,
-                                              update=(step + 1) % k_steps == 0, divide=k_steps, clip_norm=clip_norm))
-    return losses, {n: p.detach() for n, p in model.named_parameters()}
-
-
 def _check_fleet_run(results: list, zoo_name: str, stages: int, microbatches: int, **reference: float) -> None:
     replicas = len(results) // stages
     for r in results:
         assert r.returncode == 0, r.output[-3000:]
-    losses, params = _fleet_reference(zoo_name, stages, replicas * microbatches, **reference)
+    losses, params = fleet_reference(zoo_name, stages, replicas * microbatches, STEPS, **reference)
     held: dict[str, set] = {}
     for r in results:
         assert r.result["executor"] == "DistributedPipeline" and "pipeline_split" not in r.result["skipped"]

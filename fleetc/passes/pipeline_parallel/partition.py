@@ -19,7 +19,9 @@ The loss gradient is seeded with 1/m instead of 1, so the micro-batch gradients 
 loss over the m micro-batches (Paddle scales each micro-batch's loss the same way). A parameter several stages read
 (tied embeddings) is held by each of them: each sums its own part of the gradient over the micro-batches, and
 `fleetc.pipeline_shared_sum` adds the parts across those stages before each copy is updated identically (Paddle's
-shared-parameter sync).
+shared-parameter sync). Under data parallel that sum comes first, then the stage's replicas average it with the
+stage's other gradients (replicas.py); under sharding, each stage's optimizer Program is then sharded over the
+stage's sharding group (sharded_stages.py).
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ from fleetc.passes.pipeline_parallel.replicas import (
     record_groups,
     replica_count,
 )
+from fleetc.passes.pipeline_parallel.sharded_stages import shard_stages
 from fleetc.passes.pipeline_parallel.stages import (
     StageMap,
     annotated_stage,
@@ -80,12 +83,17 @@ class PipelinePlan:
     activations: list[list[str]] = field(default_factory=list)  # [s]: what stage s sends to s+1
     gradients: list[list[str]] = field(default_factory=list)    # [s]: what stage s sends to s-1 (s ≥ 1)
     replicas: int = 1  # data-parallel replicas of every stage (replicas.py)
+    sharding: str = ""  # how each stage's optimizer Program is sharded (sharded_stages.py); "": not sharded
 
     def describe(self) -> str:
+        """The split in words; the same on every rank (what the ranks compare before the first step)."""
         lines = [f"pipeline: {len(self.stages)} stage(s), {self.microbatches} micro-batch(es)"]
+        # under sharding the optimizer Programs differ per rank (each updates what it owns): not counted then
+        counted = ("backward_input", "backward_weight") + (("optimizer",) if self.sharding else ())
         for s, stage in enumerate(self.stages):
-            ops = sum(p.num_ops() for name, p in stage.phases.items() if name not in ("backward_input", "backward_weight"))
-            lines.append(f"  stage {s}: {ops} ops, {len(stage.params)} parameter(s)"
+            ops = sum(p.num_ops() for name, p in stage.phases.items() if name not in counted)
+            lines.append(f"  stage {s}: {ops} ops{' before the optimizer' if self.sharding else ''}, "
+                         f"{len(stage.params)} parameter(s)"
                          + (f"; sends {', '.join(self.activations[s])} forward" if self.activations[s] else "")
                          + (f"; sends {', '.join(self.gradients[s])} back" if self.gradients[s] else ""))
         for name, holders in sorted(self.shared.items()):
@@ -93,6 +101,8 @@ class PipelinePlan:
         if self.replicas > 1:
             lines.append(f"  each stage averages its summed gradients over {self.replicas} data-parallel replicas "
                          "(one allreduce per stage per step, in its optimizer Program)")
+        if self.sharding:
+            lines.append(f"  {self.sharding}")
         return "\n".join(lines)
 
 
@@ -136,7 +146,8 @@ def partition(program: Program, microbatches: int) -> PipelinePlan:
                                       replicas))
     if replicas > 1:
         record_groups(program)
-    return PipelinePlan(stages, microbatches, shared, activations, gradients, replicas)
+    sharding = shard_stages(program, stages)
+    return PipelinePlan(stages, microbatches, shared, activations, gradients, replicas, sharding)
 
 
 def _seed_loss_gradient(ops: list[Op], microbatches: int) -> None:
@@ -295,20 +306,25 @@ def _stage_programs(program: Program, s: int, stage_map: StageMap, opt_stages: d
     b_ops = _closure(backward, {n for n in sends_back})
     w_ops = [op for op in backward if op not in b_ops]
     grads = program.metadata.get("optimizer", {}).get("grads", {})
-    grad_fetch = {}
+    grad_fetch = {}  # the executor's micro-batch sum key → the gradient the backward defines
+    held = []        # the gradients the optimizer Program updates with (averaged over replicas first)
     for param, grad in grads.items():
         if param in shared and s in shared[param]:
-            grad_fetch[local_name(f"{grad}@stage{s}", replicas)] = f"{grad}@stage{s}"
+            grad_fetch[f"{grad}@stage{s}"] = f"{grad}@stage{s}"
+            held.append(grad)
         elif param not in shared and s in param_stages.get(param, ()):
             grad_fetch[local_name(grad, replicas)] = grad
+            held.append(grad)
     recv_act = _recv(program, activations[s - 1], s - 1, "activation") if s > 0 else []
     send_act = _send(activations[s], s + 1, "activation") if s < count - 1 else []
     recv_grad = _recv(program, gradients[s + 1], s + 1, "gradient") if s < count - 1 else []
     send_grad = _send(sends_back, s - 1, "gradient") if s > 0 else []
-    optimizer_ops = [_shared_sum(program, grads[p], s, holders) for p, holders in sorted(shared.items())
-                     if s in holders] + optimizer
-    if replicas > 1 and grad_fetch:
-        optimizer_ops = average_over_replicas(program, s, sorted(grad_fetch.values())) + optimizer_ops
+    # a shared parameter's parts are summed over its stages first (each replica's own), then averaged over the
+    # replicas with the stage's other gradients: every gradient then takes one path, which sharding rewrites
+    shared_sums = [_shared_sum(program, grads[p], s, holders, local_name(grads[p], replicas))
+                   for p, holders in sorted(shared.items()) if s in holders]
+    averaged = average_over_replicas(program, s, sorted(held)) if replicas > 1 and held else []
+    optimizer_ops = [*shared_sums, *averaged, *optimizer]
     bodies = {
         "forward": recv_act + forward + send_act,
         "backward_input": recv_grad + b_ops + send_grad,
@@ -362,9 +378,9 @@ def _send(names: list[str], peer: int, tag: str) -> list[Op]:
                attrs={"op_role": int(OpRole.COLLECTIVE)})]
 
 
-def _shared_sum(program: Program, grad: str, s: int, holders: list[int]) -> Op:
+def _shared_sum(program: Program, grad: str, s: int, holders: list[int], out: str) -> Op:
     return Op(f"{grad}@shared_sum", "fleetc.pipeline_shared_sum", (Ref(f"{grad}@stage{s}"), holders, f"shared:{grad}"),
-              outputs=[grad], attrs={"op_role": int(OpRole.OPTIMIZE | OpRole.COLLECTIVE)})
+              outputs=[out], attrs={"op_role": int(OpRole.OPTIMIZE | OpRole.COLLECTIVE)})
 
 
 def _sub_program(program: Program, ops: list[Op], fetches: dict[str, str], kind: str) -> Program:

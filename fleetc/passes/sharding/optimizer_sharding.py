@@ -10,6 +10,9 @@ it (`fleetc.shard_views`); gradients it does not own are never materialised in f
 Under AMP each rank unscales and checks only the gradients it keeps, and `found_inf` is max-allreduced.
 Stage 3: also the parameters, gathered where they are used (passes/sharding/param_sharding.py); no gather
 after the update.
+Under a pipeline (stages 1 and 2) the pass leaves the whole Program alone and records the stage in
+`metadata["sharding"]["per_stage"]`: the pipeline split then runs this rewrite on each stage's optimizer
+Program, over that stage's sharding group (passes/pipeline_parallel/sharded_stages.py). Stage 3 is refused there.
 
 The trainer stamps `metadata["sharding"]` (degree, this rank's index in its sharding group, the group
 partitions; the pass adds the parameters it owns); runs only there. Ownership: passes/sharding/plan.py.
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fleetc.errors import StrategyError
+from fleetc.errors import PassStrategyError, StrategyError
 from fleetc.ir.liveness import block_reads
 from fleetc.ir.program import Block, Op, OpRole, Program, Ref, Var, VarKind
 from fleetc.passes.base import PassReport
@@ -32,6 +35,7 @@ from fleetc.passes.data_parallel.common import (
     var_numel,
 )
 from fleetc.passes.data_parallel.merged import merged_values
+from fleetc.passes.pipeline_parallel.stages import pipelined
 from fleetc.passes.sharding.clip_sharding import clip_kept_gradients
 from fleetc.passes.sharding.param_sharding import parameter_owners, shard_parameters
 from fleetc.passes.sharding.plan import ShardedBucket, assign_owners
@@ -85,6 +89,8 @@ class Sharding:
         updates = update_ops(program)
         degree, rank = meta["degree"], meta["rank"]
         stage = config.sharding_configs.stage
+        if not meta.get("per_stage") and pipelined(program, config):
+            return self._defer_to_pipeline_stages(program, meta, config, report)
         if stage == 3:  # every parameter has an owner, updated or not (a forward-only Program shards them too)
             owners = parameter_owners(program, degree)
             meta["param_owners"] = owners
@@ -114,6 +120,20 @@ class Sharding:
         program.metadata.setdefault("collective_groups", {}).update(meta["groups"])
         meta["owned"] = [p for p in params if p not in foreign]
         report.stats["owned_params"] = len(meta["owned"])
+        report.changed = True
+        return program, report
+
+    def _defer_to_pipeline_stages(self, program: Program, meta: dict, config: Any,
+                                  report: PassReport) -> tuple[Program, PassReport]:
+        """Sharding × pipeline: leave the whole Program to the split, which shards each stage's optimizer Program."""
+        stage = config.sharding_configs.stage
+        if stage == 3:
+            raise PassStrategyError("sharding_configs.stage 3 with pipeline is not supported yet: a stage's "
+                                    "parameters would have to be gathered for every micro-batch's forward and "
+                                    "backward; use sharding_configs.stage 1 or 2 with strategy.pipeline")
+        meta["per_stage"] = {"stage": stage, "segment_broadcast_MB": config.sharding_configs.segment_broadcast_MB}
+        report.notes.append(f"pipeline: stage {stage} over {meta['degree']} ranks runs on each pipeline stage's "
+                            "optimizer Program, over that stage's sharding group (see pipeline_split)")
         report.changed = True
         return program, report
 

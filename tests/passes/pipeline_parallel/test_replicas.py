@@ -36,6 +36,7 @@ def _split(replicas: int):
 
 def test_each_stage_averages_its_gradient_sums_in_one_bucket_per_step():
     program, allreduce, plan = _split(2)
+    grads = program.metadata["optimizer"]["grads"]
     assert allreduce.skipped_reason.startswith("pipeline: each stage averages its gradients")
     assert program.metadata["collective_groups"] == {"dp:0": DP_GROUPS}
     assert "over 2 data-parallel replicas" in plan.describe()
@@ -47,16 +48,21 @@ def test_each_stage_averages_its_gradient_sums_in_one_bucket_per_step():
         averaged = set(waits[0].outputs)
         summed = {key[5:] for phase in ("backward", "backward_weight")
                   for key in stage.phases[phase].fetches if key.startswith("grad:")}
-        assert summed == {name + "@LOCAL" for name in averaged}            # the micro-batch sums travel as @LOCAL
+        tied_here = {grads[p] for p, holders in plan.shared.items() if stage.stage in holders}
+        assert summed == ({name + "@LOCAL" for name in averaged - tied_here}   # the micro-batch sums travel as @LOCAL
+                          | {f"{name}@stage{stage.stage}" for name in tied_here})  # a tied part: summed over stages
         assert summed <= set(optimizer.feeds)
         for phase in ("forward", "backward", "backward_input", "backward_weight"):  # no per-micro-batch allreduce
             assert not [op for op in stage.phases[phase].global_block.ops
                         if op.role & OpRole.COLLECTIVE and not op.type.startswith("fleetc.pipeline_")]
-    tied = [name for name in plan.shared]
-    assert tied and all(f"{program.metadata['optimizer']['grads'][p]}@stage{s}" in set(w.outputs)
-                        for p in tied for s in plan.shared[p]
-                        for w in [next(op for op in plan.stages[s].phases["optimizer"].global_block.ops
-                                       if op.type == WAIT)])          # shared parts averaged before the cross-stage sum
+    assert plan.shared
+    for param, holders in plan.shared.items():  # a tied gradient: summed over its stages, then averaged
+        for s in holders:
+            ops = plan.stages[s].phases["optimizer"].global_block.ops
+            total = next(i for i, op in enumerate(ops) if op.type == "fleetc.pipeline_shared_sum")
+            wait = next(i for i, op in enumerate(ops) if op.type == WAIT)
+            assert ops[total].outputs == [grads[param] + "@LOCAL"] and total < wait
+            assert grads[param] in ops[wait].outputs
 
 
 def test_one_replica_adds_no_collective():
