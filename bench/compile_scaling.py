@@ -10,7 +10,8 @@ and `warm` is a second compile of a fresh copy of the model in the same process 
 generator's in-memory caches warm). The on-disk compile cache (docs/compile_cache.md) is timed in three more fresh
 processes sharing one cache directory: the first fills it (`compile_cache="capture"`), then `cache_passes` is a
 compile that captures again and loads the passes' result (`"passes"`), and `cache_capture` one that skips capture
-too (`"capture"`). Growth exponents are least-squares fits
+too (`"capture"`); `cache_capture_cpu` is that process's CPU time over its first step (the compile and one run of
+the step), which a loaded machine inflates far less than wall time. Growth exponents are least-squares fits
 of log(time) on log(depth) over depths >= 8 (smaller ones are dominated by fixed costs).
 torch.compile's cold first step (forward compiled, eager backward and optimizer) is timed only at the depths
 given by --torch-compile, each in a fresh process with a fresh Inductor cache directory.
@@ -55,11 +56,12 @@ def _one_compile(depth: int, strategy_name: str, compile_cache: str = "off") -> 
 
     model, optimizer, batch = encoder_and_batch(depth)
     trainer = fleetc.compile(model, STRATEGIES[strategy_name](), optimizer=optimizer, compile_cache=compile_cache)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     trainer.step(*batch)
-    first = time.perf_counter() - start
+    first, first_cpu = time.perf_counter() - start, time.process_time() - cpu
     passes = sum(record.seconds for record in trainer.history[1:])
-    return {"first_step": first, "compile": trainer.report().compile_seconds, "passes": passes,
+    return {"first_step": first, "first_step_cpu": first_cpu, "compile": trainer.report().compile_seconds,
+            "passes": passes,
             "ops": trainer.report().ops_before, "cache": trainer.report().cache}
 
 
@@ -99,7 +101,7 @@ def measure_torch_compile(depth: int) -> dict:
 def measure_cached(depth: int, strategy_name: str, mode: str) -> dict:
     """One compile in a fresh process with the on-disk compile cache in `mode` ($FLEETC_CACHE_DIR is shared)."""
     result = _one_compile(depth, strategy_name, mode)
-    return {"compile": result["compile"], "cache": result["cache"]}
+    return {"compile": result["compile"], "first_step_cpu": result["first_step_cpu"], "cache": result["cache"]}
 
 
 def warm_cache(depth: int, strategy: str) -> dict:
@@ -112,7 +114,8 @@ def warm_cache(depth: int, strategy: str) -> dict:
     for mode, run in runs.items():
         if [line.split(",")[0].split(" (")[0] for line in run["cache"]] != expected[mode]:
             raise RuntimeError(f"the warm {mode} run did not hit the cache: {run['cache']}")
-    return {"cache_passes": runs["passes"]["compile"], "cache_capture": runs["capture"]["compile"]}
+    return {"cache_passes": runs["passes"]["compile"], "cache_capture": runs["capture"]["compile"],
+            "cache_capture_cpu": runs["capture"]["first_step_cpu"]}
 
 
 def _child(kind: str, depth: int, strategy: str, extra_env: dict[str, str] | None = None) -> dict:
@@ -132,7 +135,7 @@ def exponent(depths: list[int], seconds: list[float]) -> float:
 
 
 PARTS = ("torch_tracing", "capture", "passes", "codegen", "cold_compile", "warm_compile", "cache_passes",
-         "cache_capture")
+         "cache_capture", "cache_capture_cpu")
 
 
 def main() -> None:
