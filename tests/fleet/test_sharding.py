@@ -55,11 +55,14 @@ def check_sharding(results, configs: list[dict], world: int) -> None:
         check_run(results, i, world, config, per_shard=True, atol=FP32_ATOL)
         runs = [r.result["runs"][i] for r in results]
         owned = [run["report"]["sharding"]["owned_params"] for run in runs]
-        assert sum(owned) == runs[0]["params"], f"every parameter has one owner: {owned} of {runs[0]['params']}"
+        stage = config["strategy"]["sharding_configs"]["stage"]
+        if stage == 2 and "params_split" in runs[0]["report"]["sharding"]:  # flat buckets: pieces of parameters
+            assert sum(owned) > runs[0]["params"], owned
+        else:
+            assert sum(owned) == runs[0]["params"], f"every parameter has one owner: {owned} of {runs[0]['params']}"
         # every rank holds only its owners' share of the optimizer state, and all of it is somewhere
         assert all(0 < run["state_elements"] for run in runs)
         kinds = set(runs[0]["op_types"])
-        stage = config["strategy"]["sharding_configs"]["stage"]
         assert ("fleetc.c_sharding_allgather" in kinds) == (stage < 3)
         assert ("fleetc.c_sharding_reduce_scatter_start" in kinds) == (stage >= 2)
         assert ("fleetc.c_allreduce_start" in kinds) == (stage == 1)
