@@ -282,7 +282,9 @@ def test_data_parallel_replicas_of_sharding_groups_on_four_ranks(tmp_path):
         check_run(results, i, 4, config, per_shard=True, atol=FP32_ATOL)
         runs = [r.result["runs"][i] for r in results]
         owned = [run["report"]["sharding"]["owned_params"] for run in runs]
-        assert owned[0] == owned[2] and owned[1] == owned[3] and owned[0] + owned[1] == runs[0]["params"], owned
+        assert owned[0] == owned[2] and owned[1] == owned[3], owned
+        split = "params_split" in runs[0]["report"]["sharding"]  # stage 2 on flat buckets: a parameter may be split
+        assert owned[0] + owned[1] > runs[0]["params"] if split else owned[0] + owned[1] == runs[0]["params"], owned
         held = [run["held_param_elements"] for run in runs]
         whole = runs[0]["memory"]["parameters"]
         if config["strategy"]["sharding_configs"]["stage"] == 3:
