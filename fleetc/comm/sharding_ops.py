@@ -1,9 +1,10 @@
 """Sharding's collective ops (role collective): gather updated parameters from their owners, reduce-scatter gradients.
 
-Both move one bucket through a padded, owner-major flat buffer: rank r's segment holds, in bucket
-order, the tensors rank r owns, and every segment has the bucket's largest segment length
-(`segment`), so the collectives are the fixed-size `all_gather_single` and
-`reduce_scatter_single` on the sharding group. A rank that owns nothing in a bucket sends padding.
+Both move one bucket through a padded flat buffer of `segment` elements per rank, so the collectives are the
+fixed-size `all_gather_single` and `reduce_scatter_single` on the sharding group; each tensor's start in it
+is given. Owner-major (whole parameters): rank r's segment holds, in bucket order, the tensors rank r owns.
+Flat (stage 2 by default): the tensors one after another, so a tensor may straddle two segments. A rank that
+owns nothing in a bucket sends padding.
 With data-parallel replicas beside the sharding group (`dp_group` not empty) the reduce-scattered shard
 is then summed over the replicas; the average is over every rank either way. The layout (owners and
 offsets) is constant in the Program, so every rank can unpack what every other rank sent.
@@ -37,18 +38,21 @@ def owner_major_starts(numels: list[int], owners: list[int], segment: int) -> li
 
 @register_op("c_sharding_allgather", "all-gather a bucket of parameters from their owners (after the owners' "
              "updates), in place into every rank's parameters")
-def c_sharding_allgather(params: list, owners: list, segment: int, group: str, label: str) -> None:
+def c_sharding_allgather(params: list, starts: list, segment: int, group: str, label: str) -> None:
+    """`starts`: each parameter's place in the bucket's padded buffer (owner-major: whole parameters in their
+    owner's segment; flat: one after another, split where a segment ends); rank r sends segment r."""
     me = dist.get_rank(groups.group(group))
     label = f"sharding parameter all-gather {label!r}"
-    flat_owned = [p.reshape(-1) for p, owner in zip(params, owners) if owner == me]
+    lo, hi = me * segment, (me + 1) * segment
     mine = torch.zeros(segment, dtype=params[0].dtype, device=params[0].device)
-    if flat_owned:
-        owned = torch.cat(flat_owned)
-        mine[:owned.numel()] = owned
+    for param, start in zip(params, starts):
+        a, b = max(lo, start), min(hi, start + param.numel())
+        if a < b:
+            mine[a - lo:b - lo] = param.reshape(-1)[a - start:b - start]
     gathered = torch.empty(segment * len(groups.group_ranks(group)), dtype=mine.dtype, device=mine.device)
     blocking_collective(label, dist.all_gather_single, gathered, mine, group=groups.group(group))
-    for param, owner, start in zip(params, owners, owner_major_starts([p.numel() for p in params], owners, segment)):
-        if owner != me:
+    for param, start in zip(params, starts):
+        if not lo <= start <= start + param.numel() <= hi:  # not wholly this rank's own
             param.copy_(gathered[start:start + param.numel()].view(param.shape))
 
 
@@ -65,12 +69,13 @@ class PendingReduceScatter:
 
 @register_op("c_sharding_reduce_scatter_start", "pack a bucket's gradients owner-major into a padded flat buffer and "
              "issue its reduce-scatter over the sharding group (async); the buffer dies with the collective")
-def c_sharding_reduce_scatter_start(grads: list, owners: list, segment: int, group: str, dp_group: str,
+def c_sharding_reduce_scatter_start(grads: list, starts: list, segment: int, group: str, dp_group: str,
                                     label: str) -> PendingReduceScatter:
+    """`starts`: each gradient's place in the padded buffer (owner-major or flat, as for the parameter all-gather)."""
     label = f"sharding gradient reduce-scatter {label!r}"
     ranks = len(groups.group_ranks(group))
     flat = torch.zeros(segment * ranks, dtype=grads[0].dtype, device=grads[0].device)
-    for grad, start in zip(grads, owner_major_starts([g.numel() for g in grads], owners, segment)):
+    for grad, start in zip(grads, starts):
         flat[start:start + grad.numel()].view(grad.shape).copy_(grad)
     shard = torch.empty(segment, dtype=flat.dtype, device=flat.device)
     work = run_collective(label, dist.reduce_scatter_single, shard, flat, op=dist.ReduceOp.SUM,

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from fleetc.comm.sharding_ops import c_sharding_allgather
+from fleetc.comm.sharding_ops import c_sharding_allgather, owner_major_starts
 from fleetc.passes.sharding.plan import ShardedBucket
 
 GROUP = "sharding"
@@ -63,7 +63,9 @@ class ShardedParameters:
             names = [name for name, p in params.items() if p.dtype == dtype]
             bucket = ShardedBucket.of(names, self.owners, {n: self.shapes[n].numel() for n in names}, self.degree)
             with torch.no_grad():
-                c_sharding_allgather([params[n] for n in names], list(bucket.owners), bucket.segment, GROUP,
+                starts = owner_major_starts([self.shapes[n].numel() for n in names], list(bucket.owners),
+                                            bucket.segment)
+                c_sharding_allgather([params[n] for n in names], starts, bucket.segment, GROUP,
                                      "whole parameters")
         try:
             yield

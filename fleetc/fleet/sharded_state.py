@@ -23,11 +23,12 @@ SHARD_FILE = "optimizer.shard{:05d}.pt"
 
 
 def save_sharded_checkpoint(root: str, live: TrainerState, config: Any, rng: list, shard_index: int,
-                            writes_shard: bool) -> str:
+                            writes_shard: bool, pieces: list[list[int]] = ()) -> str:
     """Every rank calls it. The first rank stages a new version; each rank with `writes_shard` (one replica of each
     shard) writes its own optimizer entries there as `optimizer.shard<index>.pt`; after a barrier the first rank
     writes the rest and commits (checkpoint_commit), and every rank learns the outcome (CheckpointError on all when
-    any write failed; the staged version is then aborted)."""
+    any write failed; the staged version is then aborted). `pieces`: [index, lo, hi] of each parameter of which this
+    rank holds only a piece of the state (`state_pieces`), recorded in the manifest."""
     staged, problem = None, None
     if env.rank() == 0:
         try:
@@ -43,16 +44,17 @@ def save_sharded_checkpoint(root: str, live: TrainerState, config: Any, rng: lis
             checkpoint_commit.StagedVersion(root, 0, path).write(name, entries)
         except OSError as exc:
             problem = f"rank {env.rank()} writing {name}: {type(exc).__name__}: {exc}"
-    written = host.gather_objects((name if writes_shard else None, sorted(entries), problem),
+    written = host.gather_objects((name if writes_shard else None, sorted(entries), list(pieces), problem),
                                   "checkpoint (writing shards)")
-    problems = [p for _, _, p in written if p is not None]
+    problems = [p for _, _, _, p in written if p is not None]
     result = ""
     if env.rank() == 0 and staged is not None:
         if problems:
             staged.abort()
         else:
             try:
-                result = write_checkpoint(staged, live, config, rng, {n: held for n, held, _ in written if n})
+                result = write_checkpoint(staged, live, config, rng, {n: held for n, held, _, _ in written if n},
+                                          {n: split for n, _, split, _ in written if n})
             except (OSError, CheckpointError) as exc:
                 problems.append(f"{type(exc).__name__}: {exc}")
     result, problems = host.gather_objects((result, problems), "checkpoint (waiting for the commit)")[0]
@@ -85,3 +87,13 @@ def owned_indices(optimizer: torch.optim.Optimizer | None, model: nn.Module, own
     mine = {id(p) for name, p in model.named_parameters() if name in owned}
     params = [p for group in optimizer.param_groups for p in group["params"]]
     return {index for index, p in enumerate(params) if id(p) in mine}
+
+
+def state_pieces(metadata: dict[str, Any], optimizer: torch.optim.Optimizer, model: nn.Module) -> list[list[int]]:
+    """[index, lo, hi] for each parameter of which this rank keeps only a piece of the optimizer state (sharding on
+    flat buckets), `index` numbered as `optimizer.state_dict()` numbers parameters."""
+    bindings = metadata.get("state_bindings", {})
+    named = dict(model.named_parameters())
+    index = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
+    ranges = {bindings[var][0]: (lo, hi) for var, (lo, hi) in metadata.get("state_pieces", {}).items()}
+    return sorted([index[id(named[name])], lo, hi] for name, (lo, hi) in ranges.items())

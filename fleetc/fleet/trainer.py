@@ -17,7 +17,13 @@ from fleetc.compiler import CompiledStep, CompiledTrainer
 from fleetc.errors import CheckpointError
 from fleetc.fleet.pipeline_state import gather_stage_state
 from fleetc.fleet.sharded_params import ShardedParameters, sharded_parameters, whole
-from fleetc.fleet.sharded_state import drop_foreign_state, owned_indices, owned_parameters, save_sharded_checkpoint
+from fleetc.fleet.sharded_state import (
+    drop_foreign_state,
+    owned_indices,
+    owned_parameters,
+    save_sharded_checkpoint,
+    state_pieces,
+)
 from fleetc.fleet.sharding_memory import per_rank_bytes
 from fleetc.ir.program import Program
 from fleetc.passes.manager import History
@@ -210,7 +216,8 @@ class DataParallelTrainer(CompiledTrainer):
         if self._owned is not None and self.optimizer is not None:  # sharded: each shard's entries in its own file
             coordinates = self.mesh.coordinates(env.rank())
             return save_sharded_checkpoint(dirname, live, self.config, rng, coordinates["sharding"],
-                                           writes_shard=coordinates["dp"] == 0)
+                                           writes_shard=coordinates["dp"] == 0,
+                                           pieces=state_pieces(self.program.metadata, self.optimizer, self.model))
         written, problem = "", None
         if env.rank() == 0:
             try:

@@ -205,11 +205,14 @@ def save_checkpoint(root: str, state: TrainerState, config: Any, rng: list[dict[
 
 
 def write_checkpoint(staged: checkpoint_commit.StagedVersion, state: TrainerState, config: Any,
-                     rng: list[dict[str, Any]], optimizer_shards: Mapping[str, list[int]] | None = None) -> str:
+                     rng: list[dict[str, Any]], optimizer_shards: Mapping[str, list[int]] | None = None,
+                     shard_pieces: Mapping[str, list[list[int]]] | None = None) -> str:
     """Write the trainer's files into `staged` and commit it (or abort it). `optimizer_shards`: files other writers
     (sharding ranks) put into the staged version, each holding some entries of `optimizer.state_dict()["state"]`
     (file → the parameter indices of its entries, recorded in the manifest so a loader can skip the files it does
-    not need); `optimizer.pt` then holds the param groups only, and loading merges the shards back."""
+    not need); `optimizer.pt` then holds the param groups only, and loading merges the shards back.
+    `shard_pieces`: file → [index, lo, hi] for each parameter of which the file holds only the state of elements
+    [lo, hi) of the flattened parameter (sharding on flat buckets); loading joins the pieces."""
     try:
         staged.write("model.pt", state.model.state_dict())
         optimizer = state.optimizer.state_dict() if state.optimizer is not None else {}
@@ -220,6 +223,8 @@ def write_checkpoint(staged: checkpoint_commit.StagedVersion, state: TrainerStat
         if optimizer_shards:
             meta["optimizer_shards"] = sorted(optimizer_shards)
             meta["optimizer_shard_params"] = {name: sorted(optimizer_shards[name]) for name in meta["optimizer_shards"]}
+            meta["optimizer_shard_pieces"] = {name: list(pieces) for name, pieces in (shard_pieces or {}).items()
+                                              if pieces}
         return staged.commit(meta)
     except BaseException:
         staged.abort()
@@ -234,6 +239,27 @@ def _needed_shards(meta: Mapping[str, Any], wanted: set[int] | None) -> list[str
             if wanted is None or name not in held or wanted.intersection(held[name])]
 
 
+def _merge_shard(merged: dict, entries: Mapping, pieces: list[list[int]], optimizer: torch.optim.Optimizer | None
+                 ) -> None:
+    """Add one optimizer shard file's entries to `merged`; an entry holding a piece of a parameter's state (elements
+    [lo, hi) of each flattened tensor) is joined with the other files' pieces into the whole-shaped state."""
+    split = {index: (lo, hi) for index, lo, hi in pieces}
+    params = [p for group in optimizer.param_groups for p in group["params"]] if optimizer is not None else []
+    for index, slots in entries.items():
+        if index not in split or not 0 <= index < len(params):
+            merged[index] = slots
+            continue
+        lo, hi = split[index]
+        whole = merged.setdefault(index, {})
+        for key, value in slots.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                if key not in whole:
+                    whole[key] = value.new_zeros(params[index].shape)
+                whole[key].view(-1)[lo:hi] = value.reshape(-1)
+            else:
+                whole[key] = value
+
+
 def load_checkpoint(root: str, state: TrainerState, config: Any,
                     agree: Callable[[str | None], None] | None = None, wanted: set[int] | None = None) -> str:
     """Check every file of the checkpoint at `root` against the trainer, then restore it all (or raise
@@ -245,8 +271,9 @@ def load_checkpoint(root: str, state: TrainerState, config: Any,
     try:
         version = checkpoint_commit.open_latest(root, FILES)
         model_state, optimizer_state, owned_state = (version.read(name) for name in FILES)
+        pieces = version.meta.get("optimizer_shard_pieces", {})
         for shard in _needed_shards(version.meta, wanted):  # written one file per sharding rank
-            optimizer_state["state"].update(version.read(shard))
+            _merge_shard(optimizer_state["state"], version.read(shard), pieces.get(shard, ()), state.optimizer)
         where = {name: f"{version.path}/{name}" for name in FILES}
         check_model_state(model_state, state.model, where["model.pt"])
         check_optimizer_state(optimizer_state, state.optimizer, version.meta.get("optimizer"),

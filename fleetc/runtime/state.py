@@ -30,6 +30,8 @@ class StateBinding:
         self.fixed: dict[str, torch.Tensor] = {}
         self.optimizer_state: list[tuple[str, torch.Tensor, str, torch.Size, torch.dtype]] = []
         bindings = program.metadata.get("state_bindings", {})
+        # sharding stage 2 on flat buckets: state Var → the [lo, hi) of the flattened state this rank keeps
+        self.pieces: dict[str, tuple[int, int]] = program.metadata.get("state_pieces", {})
         self._convert_params(program, named)
         for var in program.persistables():
             if var.kind in (VarKind.PARAM, VarKind.BUFFER):
@@ -78,7 +80,10 @@ class StateBinding:
                 tensor = slot.get(key)
                 if tensor is None:
                     tensor = self._create(param, key, shape, dtype)
-                elif tensor.dtype != dtype:
+                if var_name in self.pieces and tensor.shape != shape:  # whole (created, loaded): keep this rank's piece
+                    lo, hi = self.pieces[var_name]
+                    tensor = slot[key] = tensor.reshape(-1)[lo:hi].clone()
+                if tensor.dtype != dtype:
                     raise CheckpointError(
                         f"optimizer state {key!r} of {var_name.partition('@')[0]!r} is {tensor.dtype}, the Program "
                         f"declares {dtype}: under amp use_pure_fp16 call optimizer.load_state_dict before the first "

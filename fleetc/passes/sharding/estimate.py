@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from fleetc.ir.program import Program, VarKind
 from fleetc.passes.data_parallel.common import WAIT, var_numel
 from fleetc.passes.data_parallel.merged import merged_values
+from fleetc.passes.sharding.flat_sharding import flat_refusal, rank_pieces
 from fleetc.passes.sharding.optimizer_sharding import update_ops
 from fleetc.passes.sharding.param_sharding import parameter_owners
-from fleetc.passes.sharding.plan import ShardedBucket, assign_owners
+from fleetc.passes.sharding.plan import FlatBucket, ShardedBucket, assign_owners
 
 
 @dataclass(frozen=True)
@@ -36,17 +37,30 @@ def rank_plans(program: Program, degree: int, stage: int) -> list[RankPlan]:
     sizes = {p: var_numel(program.var(p)) for p in params}
     buckets = [] if merged_values(program) or stage < 2 else [
         [g.removesuffix("@GRAD") for g in op.outputs] for op in program.global_block.ops if op.type == WAIT]
+    flat = [FlatBucket.of(b, sizes, degree) for b in buckets] \
+        if stage == 2 and flat_refusal(program, update_ops(program), buckets, params) is None else None
     owners = parameter_owners(program, degree) if stage == 3 else assign_owners(sizes, degree, buckets or None)
-    state: dict[str, int] = {}
+    state: dict[str, int] = {}  # per element of the parameter, summed over its state: (whole-shaped, fixed) bytes
+    fixed: dict[str, int] = {}
     for name, (param, _) in program.metadata.get("state_bindings", {}).items():
         var = program.find_var(name)
         if var is not None and var.kind is VarKind.OPTIMIZER_STATE:
-            state[param] = state.get(param, 0) + var.nbytes()
+            if var.shape and tuple(var.shape) == tuple(program.var(param).shape):
+                state[param] = state.get(param, 0) + var.nbytes()
+            else:
+                fixed[param] = fixed.get(param, 0) + var.nbytes()
     param_vars = [v for v in program.persistables() if v.kind is VarKind.PARAM]
     grad_vars = {p: program.find_var(f"{p}@GRAD") or program.var(p) for p in params}  # AMP: maybe low precision
     grad_bytes = sum(v.nbytes() for v in grad_vars.values())
     plans = []
     for rank in range(degree):
+        if flat is not None:  # stage 2 on flat buckets: the state of this rank's pieces
+            pieces = rank_pieces(flat, rank)
+            grads = sum(b.segment * grad_vars[b.names[0]].nbytes() // sizes[b.names[0]] for b in flat)
+            held = sum(v.nbytes() for v in param_vars)
+            kept = sum(state.get(p, 0) * (hi - lo) // sizes[p] + fixed.get(p, 0) for p, (lo, hi) in pieces.items())
+            plans.append(RankPlan(rank, len(pieces), held, grads, kept))
+            continue
         mine = [p for p in params if owners[p] == rank]
         if buckets:
             grads = sum(ShardedBucket.of(b, owners, sizes, degree).segment * grad_vars[b[0]].nbytes() // sizes[b[0]]
@@ -54,5 +68,5 @@ def rank_plans(program: Program, degree: int, stage: int) -> list[RankPlan]:
         else:
             grads = grad_bytes
         held = sum(v.nbytes() for v in param_vars if stage < 3 or owners[v.name] == rank)  # stage 3: its own only
-        plans.append(RankPlan(rank, len(mine), held, grads, sum(state.get(p, 0) for p in mine)))
+        plans.append(RankPlan(rank, len(mine), held, grads, sum(state.get(p, 0) + fixed.get(p, 0) for p in mine)))
     return plans

@@ -4,9 +4,11 @@ Stage 1: gradients are still averaged in full (the allreduce passes); the update
 another rank owns are dropped, so their optimizer state is never created on this rank; after the
 updates, the parameters are all-gathered from their owners in buckets of `segment_broadcast_MB`
 (one `fleetc.c_sharding_allgather` per bucket), so every rank ends the step with every parameter whole.
-Stage 2: also each gradient bucket's allreduce becomes a reduce-scatter into an owner-major padded
-buffer that lives only inside the collective; a rank keeps its shard, and its own gradients are views of
-it (`fleetc.shard_views`); gradients it does not own are never materialised in full after their bucket.
+Stage 2: also each gradient bucket's allreduce becomes a reduce-scatter into a padded buffer that lives
+only inside the collective; a rank keeps its shard, and its own gradients are views of it
+(`fleetc.shard_views`); gradients it does not own are never materialised in full after their bucket. The
+buffer is flat, split evenly across the ranks, so a parameter may be updated in pieces (flat_sharding.py),
+unless an update or a gradient reader needs whole gradients: then it is owner-major over whole parameters.
 Under AMP each rank unscales and checks only the gradients it keeps, and `found_inf` is max-allreduced.
 Stage 3: also the parameters, gathered where they are used (passes/sharding/param_sharding.py); no gather
 after the update.
@@ -19,8 +21,10 @@ partitions; the pass adds the parameters it owns); runs only there. Ownership: p
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from fleetc.comm.sharding_ops import owner_major_starts
 from fleetc.errors import PassStrategyError, StrategyError
 from fleetc.ir.liveness import block_reads
 from fleetc.ir.program import Block, Op, OpRole, Program, Ref, Var, VarKind
@@ -37,8 +41,14 @@ from fleetc.passes.data_parallel.common import (
 from fleetc.passes.data_parallel.merged import merged_values
 from fleetc.passes.pipeline_parallel.stages import pipelined
 from fleetc.passes.sharding.clip_sharding import clip_kept_gradients
+from fleetc.passes.sharding.flat_sharding import (
+    flat_gathers,
+    flat_refusal,
+    piece_updates,
+    rank_pieces,
+)
 from fleetc.passes.sharding.param_sharding import parameter_owners, shard_parameters
-from fleetc.passes.sharding.plan import ShardedBucket, assign_owners
+from fleetc.passes.sharding.plan import FlatBucket, ShardedBucket, assign_owners
 
 GATHER = "fleetc.c_sharding_allgather"
 RS_START = "fleetc.c_sharding_reduce_scatter_start"
@@ -104,17 +114,40 @@ class Sharding:
             return program, report
         params = list(dict.fromkeys(op.attrs["param"] for ops in updates.values() for op in ops))
         sizes = {p: var_numel(program.var(p)) for p in params}
-        if stage < 3:
-            owners = assign_owners(sizes, degree, self._gradient_buckets(program) if stage >= 2 else None)
-        foreign = {p for p in params if owners[p] != rank}
-        report.notes.append(f"stage {stage}, {degree} ranks: this rank (index {rank} in its sharding group) owns "
-                            f"{len(params) - len(foreign)} of {len(params)} parameters "
-                            f"({sum(sizes[p] for p in params if p not in foreign)} of {sum(sizes.values())} elements)")
-        for block_idx in updates:
-            self._shard_updates(program, program.blocks[block_idx], foreign, owners, sizes, degree, config, report,
-                                gather=stage < 3)
-        if stage >= 2:
-            self._reduce_scatter(program, owners, sizes, degree, rank, meta, report)
+        buckets = self._gradient_buckets(program) if stage == 2 else []
+        refusal = flat_refusal(program, updates, buckets, params) if stage == 2 else "stage 1 or 3"
+        if refusal is None:
+            flat = [FlatBucket.of(bucket, sizes, degree) for bucket in buckets]
+            pieces = rank_pieces(flat, rank)
+            foreign = {p for p in params if p not in pieces}
+            for block_idx in updates:
+                self._shard_updates(program, program.blocks[block_idx], foreign, set(params),
+                                    lambda _: flat_gathers(program, flat, report), report)
+            piece_updates(program, updates, pieces, report)
+            layouts = {bucket.names: (bucket.starts, bucket.segment, bucket.padding(degree),
+                                      [name for name, _, _ in bucket.pieces(rank)]) for bucket in flat}
+            self._reduce_scatter(program, lambda names: layouts[tuple(names)], foreign, meta, report)
+            owned = sum(hi - lo for lo, hi in pieces.values())
+            report.notes.append(f"stage 2, {degree} ranks, flat buckets split evenly: this rank (index {rank} in its "
+                                f"sharding group) updates {owned} of {sum(sizes.values())} elements, pieces of "
+                                f"{len(pieces)} of {len(params)} parameters")
+        else:
+            if stage == 2:
+                report.notes.append(f"stage 2 owns whole parameters here, not even flat-bucket pieces: {refusal}")
+            if stage < 3:
+                owners = assign_owners(sizes, degree, buckets or None)
+            foreign = {p for p in params if owners[p] != rank}
+            report.notes.append(f"stage {stage}, {degree} ranks: this rank (index {rank} in its sharding group) owns "
+                                f"{len(params) - len(foreign)} of {len(params)} parameters "
+                                f"({sum(sizes[p] for p in params if p not in foreign)} of {sum(sizes.values())} "
+                                "elements)")
+            gathers = (lambda updated: self._gathers(program, updated, owners, sizes, degree, config, report)) \
+                if stage < 3 else None
+            for block_idx in updates:
+                self._shard_updates(program, program.blocks[block_idx], foreign, set(owners), gathers, report)
+            if stage >= 2:
+                self._reduce_scatter(program, lambda names: self._owner_major(names, owners, sizes, degree, rank),
+                                     foreign, meta, report)
         if stage == 3:
             shard_parameters(program, owners, degree, rank, config, report)
         program.metadata.setdefault("collective_groups", {}).update(meta["groups"])
@@ -144,11 +177,18 @@ class Sharding:
             return []
         return [[g.removesuffix("@GRAD") for g in op.outputs] for op in program.global_block.ops if op.type == WAIT]
 
-    def _shard_updates(self, program: Program, block: Block, foreign: set[str], owners: dict[str, int],
-                       sizes: dict[str, int], degree: int, config: Any, report: PassReport, gather: bool) -> None:
+    @staticmethod
+    def _owner_major(names: list[str], owners: dict[str, int], sizes: dict[str, int], degree: int,
+                     rank: int) -> tuple[list[int], int, int, list[str]]:
+        """(starts, segment, padding, this rank's parameters) of a bucket of whole-owned parameters."""
+        bucket = ShardedBucket.of(names, owners, sizes, degree)
+        starts = owner_major_starts([sizes[n] for n in names], list(bucket.owners), bucket.segment)
+        return starts, bucket.segment, bucket.padding(degree), bucket.owned_by(rank)
+
+    def _shard_updates(self, program: Program, block: Block, foreign: set[str], everyone: set[str],
+                       gathers: Callable[[list[str]], list[Op]] | None, report: PassReport) -> None:
         """Drop the updates of parameters other ranks own; all-gather every parameter after the block's last update
-        (`gather`: stages 1 and 2; under stage 3 parameters stay sharded)."""
-        everyone = set(owners)
+        (`gathers`, given the updated parameters: stages 1 and 2; under stage 3 parameters stay sharded)."""
         last = max(i for i, op in enumerate(block.ops) if _belongs_to(program, op, everyone))
         updated = list(dict.fromkeys(op.attrs["param"] for op in block.ops if op.attrs.get("param") in everyone
                                      and OpRole.OPTIMIZE in op.role))
@@ -158,8 +198,8 @@ class Sharding:
                 report.count("updates_dropped")
             else:
                 ops.append(op)
-            if index == last and gather:
-                ops.extend(self._gathers(program, updated, owners, sizes, degree, config, report))
+            if index == last and gathers is not None:
+                ops.extend(gathers(updated))
         block.ops = ops
         used = {name for _, op in program.walk_ops() for name in block_reads(program, op)} | {
             name for _, op in program.walk_ops() for name in op.defined}
@@ -177,17 +217,20 @@ class Sharding:
         for bucket in plan_buckets(order, cap, cap, len(order)):
             sharded = ShardedBucket.of(bucket.grads, owners, sizes, degree)
             label = program.unique_name(f"shard_gather{report.stats.get('gather_buckets', 0)}")
-            ops.append(Op(label, GATHER, ([Ref(p) for p in sharded.names], list(sharded.owners), sharded.segment,
-                                          GROUP, label), {}, list(sharded.names),
+            starts = owner_major_starts([sizes[p] for p in sharded.names], list(sharded.owners), sharded.segment)
+            ops.append(Op(label, GATHER, ([Ref(p) for p in sharded.names], starts, sharded.segment, GROUP, label), {},
+                          list(sharded.names),
                           {"op_role": int(OpRole.COLLECTIVE), "provenance": self.name,
                            "module_path": common_module(program, [p + "@GRAD" for p in sharded.names])}))
             report.count("gather_buckets")
             report.count("padding_elements", sharded.padding(degree))
         return ops
 
-    def _reduce_scatter(self, program: Program, owners: dict[str, int], sizes: dict[str, int], degree: int,
-                        rank: int, meta: dict, report: PassReport) -> None:
-        """Each gradient bucket's allreduce becomes a reduce-scatter; this rank's gradients are views of its shard."""
+    def _reduce_scatter(self, program: Program, layout: Callable[[list[str]], tuple[list[int], int, int, list[str]]],
+                        foreign_params: set[str], meta: dict, report: PassReport) -> None:
+        """Each gradient bucket's allreduce becomes a reduce-scatter; this rank's gradients (or their pieces: the
+        Vars' shapes say) are views of its shard. `layout(bucket's parameters)`: (each one's start in the padded
+        buffer, the segment, the padding, the parameters this rank has a part of, in order)."""
         if merged_values(program):
             report.notes.append("stage 2 under gradient merge: the accumulators stay whole and are allreduced once "
                                 "per k steps (as stage 1); only the optimizer state is sharded")
@@ -199,18 +242,18 @@ class Sharding:
         for start in starts.values():
             wait = waits[start.outputs[0]]
             grads = list(wait.outputs)
-            bucket = ShardedBucket.of([g.removesuffix("@GRAD") for g in grads], owners, sizes, degree)
+            starts_, segment, padding, owned = layout([g.removesuffix("@GRAD") for g in grads])
             label = start.args[5]
             work = block.add_var(Var(program.unique_name(f"{label}@SHARD_WORK"), None, "work", block.vars[grads[0]].device))
-            shard = block.add_var(Var(program.unique_name(f"{label}@SHARD"), (bucket.segment,), block.vars[grads[0]].dtype,
+            shard = block.add_var(Var(program.unique_name(f"{label}@SHARD"), (segment,), block.vars[grads[0]].dtype,
                                       block.vars[grads[0]].device))
             attrs = {"op_role": int(OpRole.COLLECTIVE), "provenance": self.name, "module_path": common_module(program, grads)}
             new_start = Op(program.unique_name(f"{label}_reduce_scatter"), RS_START,
-                           (list(start.args[1]), list(bucket.owners), bucket.segment, GROUP,
+                           (list(start.args[1]), starts_, segment, GROUP,
                             DP_GROUP if meta.get("dp_degree", 1) > 1 else "", label), {}, [work.name], dict(attrs))
             new_wait = Op(program.unique_name(f"{label}_reduce_scatter_wait"), RS_WAIT, (Ref(work.name),), {},
                           [shard.name], dict(attrs))
-            mine = [g + "@GRAD" for g in bucket.owned_by(rank)]
+            mine = [g + "@GRAD" for g in owned]
             views = [Op(program.unique_name(f"{label}_owned_grads"), SHARD_VIEWS,
                         (Ref(shard.name), [list(block.vars[g].shape) for g in mine]), {}, mine,
                         {"op_role": int(OpRole.BACKWARD), "provenance": self.name,
@@ -219,10 +262,10 @@ class Sharding:
             replaced[wait.name] = [new_wait, *views]
             del block.vars[start.args[0].name], block.vars[start.outputs[0]]
             report.count("reduce_scatter_buckets")
-            report.count("padding_elements", bucket.padding(degree))
+            report.count("padding_elements", padding)
         allocs = {op.name for op in block.ops if op.type == ALLOC and op.outputs[0] not in block.vars}
         block.ops = [new for op in block.ops if op.name not in allocs for new in replaced.get(op.name, [op])]
-        foreign = {f"{p}@GRAD" for p, owner in owners.items() if owner != rank}
+        foreign = {f"{p}@GRAD" for p in foreign_params}
         self._check_finite_over_ranks(program, block, foreign, DP_GROUP if meta.get("dp_degree", 1) > 1 else "",
                                       report)
         clip_kept_gradients(program, GROUP, report)

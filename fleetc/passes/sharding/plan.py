@@ -41,7 +41,7 @@ class ShardedBucket:
     total: int  # elements of the tensors themselves (the buffer is segment × degree)
 
     @classmethod
-    def of(cls, names: list[str], owners: dict[str, int], sizes: dict[str, int], degree: int) -> "ShardedBucket":
+    def of(cls, names: list[str], owners: dict[str, int], sizes: dict[str, int], degree: int) -> ShardedBucket:
         per_rank = [0] * degree
         for name in names:
             per_rank[owners[name]] += sizes[name]
@@ -53,3 +53,38 @@ class ShardedBucket:
     def padding(self, degree: int) -> int:
         """Elements of padding in the bucket's buffer."""
         return self.segment * degree - self.total
+
+
+@dataclass(frozen=True)
+class FlatBucket:
+    """A bucket sharded evenly (stage 2): its tensors one after another in bucket order, padded at the end to
+    `segment × degree` elements; rank r owns elements [r·segment, (r+1)·segment), so a tensor may be split between
+    ranks and a rank's range may be all padding."""
+
+    names: tuple[str, ...]
+    numels: tuple[int, ...]
+    segment: int
+
+    @classmethod
+    def of(cls, names: list[str], sizes: dict[str, int], degree: int) -> FlatBucket:
+        total = sum(sizes[n] for n in names)
+        return cls(tuple(names), tuple(sizes[n] for n in names), -(-total // degree))
+
+    @property
+    def starts(self) -> list[int]:
+        """Start of each tensor in the flat buffer."""
+        out, at = [], 0
+        for numel in self.numels:
+            out.append(at)
+            at += numel
+        return out
+
+    def pieces(self, rank: int) -> list[tuple[str, int, int]]:
+        """(tensor, lo, hi): the elements [lo, hi) of each tensor (flattened) rank `rank` owns, in bucket order; they
+        are consecutive from the start of its segment."""
+        lo, hi = rank * self.segment, (rank + 1) * self.segment
+        return [(name, max(lo, start) - start, min(hi, start + numel) - start)
+                for name, start, numel in zip(self.names, self.starts, self.numels) if start < hi and start + numel > lo]
+
+    def padding(self, degree: int) -> int:
+        return self.segment * degree - sum(self.numels)

@@ -10,7 +10,7 @@ from fleetc.fleet.trainer import sharding_metadata
 from fleetc.ir.program import VarKind
 from fleetc.passes.sharding.estimate import rank_plans
 from fleetc.passes.sharding.optimizer_sharding import RS_WAIT
-from fleetc.passes.sharding.plan import ShardedBucket, assign_owners
+from fleetc.passes.sharding.plan import FlatBucket, ShardedBucket, assign_owners
 
 
 def test_owners_are_balanced_by_size_and_deterministic():
@@ -28,6 +28,26 @@ def test_bucket_balance_comes_first_under_stage_2():
     assert ShardedBucket.of(["a", "c"], overall, sizes, 2).padding(2) == 9
     assert ShardedBucket.of(["a", "c"], by_bucket, sizes, 2).padding(2) == 7
     assert by_bucket == {"a": 0, "c": 1, "b": 1, "d": 0}  # each bucket split across both ranks, loads even
+
+
+def test_flat_buckets_split_evenly_and_every_element_has_one_rank():
+    sizes = {"a": 5, "b": 2, "c": 4}
+    bucket = FlatBucket.of(["a", "b", "c"], sizes, 3)
+    assert (bucket.segment, bucket.starts, bucket.padding(3)) == (4, [0, 5, 7], 1)
+    assert bucket.pieces(0) == [("a", 0, 4)]
+    assert bucket.pieces(1) == [("a", 4, 5), ("b", 0, 2), ("c", 0, 1)]
+    assert bucket.pieces(2) == [("c", 1, 4)]
+    for degree in (2, 3, 5, 16):  # 16 > 11 elements: some ranks' segments are all padding and get no piece
+        flat = FlatBucket.of(["a", "b", "c"], sizes, degree)
+        covered = {name: [] for name in sizes}
+        for rank in range(degree):
+            pieces = flat.pieces(rank)
+            assert sum(hi - lo for _, lo, hi in pieces) <= flat.segment
+            for name, lo, hi in pieces:
+                covered[name] += range(lo, hi)
+        assert all(covered[name] == list(range(size)) for name, size in sizes.items())
+        assert flat.segment * degree - 11 < degree
+    assert FlatBucket.of(["a", "b", "c"], sizes, 16).pieces(15) == []
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -54,7 +74,10 @@ def test_every_rank_of_a_group_runs_the_pass_and_the_estimate_agrees(stage):
             shards = [final.var(op.outputs[0]).nbytes() for _, op in final.walk_ops() if op.type == RS_WAIT]
             assert sum(shards) == plans[rank].gradient_bytes
         assert "sharding" in [r.name for r in history]
-    assert sorted(owned) == sorted(unsharded.metadata["optimizer"]["grads"])
+    if stage == 2:  # flat buckets split evenly: a parameter may be updated in pieces by several ranks
+        assert set(owned) == set(unsharded.metadata["optimizer"]["grads"]) and len(owned) > len(set(owned))
+    else:
+        assert sorted(owned) == sorted(unsharded.metadata["optimizer"]["grads"])
 
 
 def test_shard_plan_prints_every_rank_for_a_world_this_machine_cannot_run(capsys):
