@@ -115,7 +115,12 @@ class Sharding:
         params = list(dict.fromkeys(op.attrs["param"] for ops in updates.values() for op in ops))
         sizes = {p: var_numel(program.var(p)) for p in params}
         buckets = self._gradient_buckets(program) if stage == 2 else []
-        refusal = flat_refusal(program, updates, buckets, params) if stage == 2 else "stage 1 or 3"
+        if stage != 2:
+            refusal = "stage 1 or 3"
+        elif meta.get("per_stage"):  # the pipeline runtime binds whole optimizer state to each stage
+            refusal = "under a pipeline, each stage's optimizer state is bound whole (flat pieces not yet)"
+        else:
+            refusal = flat_refusal(program, updates, buckets, params)
         if refusal is None:
             flat = [FlatBucket.of(bucket, sizes, degree) for bucket in buckets]
             pieces = rank_pieces(flat, rank)
