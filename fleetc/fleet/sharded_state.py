@@ -12,9 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fleetc.comm import env, host
-from fleetc.errors import CheckpointError
-from fleetc.runtime import checkpoint_commit
+from fleetc.fleet.checkpoint_parts import save_with_parts
 from fleetc.runtime.checkpoint import TrainerState, write_checkpoint
 
 SHARD_FILE = "optimizer.shard{:05d}.pt"
@@ -22,39 +20,11 @@ SHARD_FILE = "optimizer.shard{:05d}.pt"
 
 def save_sharded_checkpoint(root: str, live: TrainerState, config: Any, rng: list, shard_index: int,
                             writes_shard: bool) -> str:
-    """Every rank calls it. The first rank stages a new version; each rank with `writes_shard` (one replica of each
-    shard) writes its own optimizer entries there as `optimizer.shard<index>.pt`; after a barrier the first rank
-    writes the rest and commits (checkpoint_commit), and every rank learns the outcome (CheckpointError on all when
-    any write failed; the staged version is then aborted)."""
-    staged, problem = None, None
-    if env.rank() == 0:
-        try:
-            staged = checkpoint_commit.begin(root)
-        except OSError as exc:
-            problem = f"{type(exc).__name__}: {exc}"
-    path, problem = host.gather_objects((staged.path if staged else None, problem),
-                                        "checkpoint (staging a version)")[0]
-    name = SHARD_FILE.format(shard_index)
-    if problem is None and writes_shard:
-        try:
-            checkpoint_commit.StagedVersion(root, 0, path).write(name, live.optimizer.state_dict()["state"])
-        except OSError as exc:
-            problem = f"rank {env.rank()} writing {name}: {type(exc).__name__}: {exc}"
-    written = host.gather_objects((name if writes_shard else None, problem), "checkpoint (writing shards)")
-    problems = [p for _, p in written if p is not None]
-    result = ""
-    if env.rank() == 0 and staged is not None:
-        if problems:
-            staged.abort()
-        else:
-            try:
-                result = write_checkpoint(staged, live, config, rng, sorted({n for n, _ in written if n}))
-            except (OSError, CheckpointError) as exc:
-                problems.append(f"{type(exc).__name__}: {exc}")
-    result, problems = host.gather_objects((result, problems), "checkpoint (waiting for the commit)")[0]
-    if problems:
-        raise CheckpointError(f"checkpoint {root!r} was not written: {problems[0]}")
-    return result
+    """Every rank calls it. Each rank with `writes_shard` (one replica of each shard) writes its own optimizer
+    entries as `optimizer.shard<index>.pt` into one staged version, which the first rank commits with the rest
+    (fleet/checkpoint_parts.py: CheckpointError on every rank when any write failed)."""
+    part = (SHARD_FILE.format(shard_index), live.optimizer.state_dict()["state"]) if writes_shard else None
+    return save_with_parts(root, part, lambda staged, names: write_checkpoint(staged, live, config, rng, names))
 
 
 def drop_foreign_state(optimizer: torch.optim.Optimizer | None, model: nn.Module, owned: set[str]) -> int:
