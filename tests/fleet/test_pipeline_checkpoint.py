@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.pipeline import STAGED
+from helpers.pipeline import STAGED, fleet_reference
 from zoo import OPTIMIZERS, ZOO
 
 import fleetc
@@ -39,6 +39,11 @@ def test_stages_write_their_parts_and_the_job_resumes_from_them(tmp_path):
     mid, boundary = str(tmp_path / "mid"), str(tmp_path / "boundary")
     args = {**ARGS, "saves": {"3": mid, "4": boundary}, "resume_after": 3}
     straight = _run("uninterrupted", args, tmp_path / "straight")
+    losses, params = fleet_reference("gpt", 2, 2, 5, k_steps=2)   # the run itself is eager accumulation's
+    for r in straight:
+        torch.testing.assert_close(torch.tensor(r.result["losses"]), torch.tensor(losses))
+        for name, value in r.result["params"].items():
+            torch.testing.assert_close(value, params[name], msg=lambda m, name=name, rank=r.rank: f"rank {rank} {name}: {m}")
     version = checkpoint_commit.open_latest(mid, ())
     parts = {name: version.read(name) for name in version.meta["pipeline_parts"]}
     assert sorted(parts) == ["pipeline.pp00000.pt", "pipeline.pp00001.pt"]   # one part per stage, one commit
