@@ -202,7 +202,8 @@ class DataParallelTrainer(CompiledTrainer):
 
     def save_checkpoint(self, dirname: str) -> str:
         """Every rank calls it: their RNG states are gathered, the first rank writes a new crash-safe version, and
-        all wait for it (CheckpointError on every rank when the write failed)."""
+        all wait for it (CheckpointError on every rank when the write failed). Under sharding each shard, and with
+        one pipeline stage per process each stage, writes its own part into that version first."""
         with whole(self._sharded_params):
             return self._save_whole(dirname)
 

@@ -3,6 +3,8 @@ each stage writes its own part into one commit, the job resumes from them bit fo
 the tied embedding is stored once, and the checkpoint loads into a single process."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from helpers.pipeline import STAGED, fleet_reference
@@ -79,3 +81,24 @@ def test_stages_write_their_parts_and_the_job_resumes_from_them(tmp_path):
     for name, p in model.named_parameters():
         assert torch.equal(p, trained[name]), name
         assert torch.equal(trainer.optimizer.state[p]["exp_avg"], exp_avg[name]), name
+
+
+@pytest.mark.skipif(not os.environ.get("FLEETC_FULL"), reason="4 processes on 2 cores: FLEETC_FULL=1 runs it; CI "
+                    "runs pp x dp in passes/pipeline_parallel/test_replicas.py and this checkpoint on 2 processes")
+def test_pp_times_dp_resumes_mid_period_from_the_replicas_average(tmp_path):
+    """pp=2 × dp=2, saved mid gradient-merge period: only dp-rank 0 of each stage writes, its part holding the
+    replicas' average carried sums; new processes resume and match the uninterrupted run (fp32 tolerance: the
+    average is taken before, not after, the last step's sums are added)."""
+    args = {**ARGS, "saves": {"3": str(tmp_path / "mid")}, "resume_after": 3}
+    straight = spawn(4, "uninterrupted", args, tmp_path / "straight", deadline_s=300,
+                     module="fleet.pipeline_checkpoint_workers")
+    version = checkpoint_commit.open_latest(tmp_path / "mid", ())
+    assert version.meta["pipeline_parts"] == ["pipeline.pp00000.pt", "pipeline.pp00001.pt"]
+    resumed = spawn(4, "resumed", args, tmp_path / "resumed", deadline_s=300,
+                    module="fleet.pipeline_checkpoint_workers")
+    for before, after in zip(straight, resumed):
+        assert before.returncode == 0 and after.returncode == 0, (before.output + after.output)[-3000:]
+        torch.testing.assert_close(torch.tensor(after.result["losses"]), torch.tensor(before.result["losses"][3:]))
+        for name, value in after.result["params"].items():
+            torch.testing.assert_close(value, before.result["params"][name],
+                                       msg=lambda m, name=name, rank=after.rank: f"rank {rank} {name}: {m}")
