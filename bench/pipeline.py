@@ -14,8 +14,8 @@ Memory, per rank, in MiB: "measured" is the bytes of its chunks' state (paramete
 step's inputs, plus the allocation peak of one more step (`fleetc.runtime.memory.allocation_peak_bytes`: gradient
 sums, stashed activations, transients). "estimated" is state + one gradient sum per parameter + the simulator's peak
 number of micro-batch chunks the rank holds activations of (until their weight gradient, for ZB-H1) times the bytes a
-chunk's forward keeps for its backward (its forward Program's fetches), inputs included. Transients (an op's
-temporaries, messages in flight) are not estimated.
+chunk's forward keeps for its backward (its forward Program's fetches, views of parameters excluded), inputs
+included. Transients (an op's temporaries, messages in flight) are not estimated.
 """
 from __future__ import annotations
 
@@ -35,6 +35,8 @@ from torch import nn
 
 import fleetc
 from fleetc.capture import capture_train_program
+from fleetc.ir.liveness import aliased_input
+from fleetc.ir.program import Program
 from fleetc.passes.pipeline_parallel.partition import partition
 from fleetc.passes.pipeline_parallel.schedule import build_schedule
 from fleetc.passes.pipeline_parallel.simulate import simulate
@@ -64,12 +66,19 @@ def state_bytes(pipe: DistributedPipeline, inputs: list[torch.Tensor]) -> int:
     return held_bytes([resolved[name] for name in pipe.holders] + inputs)
 
 
+def stash_bytes(forward: Program) -> int:
+    """Bytes a chunk's forward keeps per micro-batch for its backward: its fetches, views (`t(w)`) excluded."""
+    views = {name for _, op in forward.walk_ops() for i, name in enumerate(op.outputs)
+             if name and aliased_input(op, i) is not None}
+    return sum(v.nbytes() for name in forward.fetches.values()
+               if name not in views and (v := forward.find_var(name)) is not None)
+
+
 def estimated_bytes(pipe: DistributedPipeline, rank: int, inputs: list[torch.Tensor]) -> int:
     """State + a gradient sum per parameter + peak held micro-batch chunks × what a chunk's forward keeps."""
     sim = simulate(pipe.schedule)
     chunks = pipe.chunks
-    stash = [sum(v.nbytes() for name in pipe.plan.stages[s].phases["forward"].fetches.values() if name != "loss"
-                 and (v := pipe.plan.stages[s].phases["forward"].find_var(name)) is not None) for s in chunks]
+    stash = [stash_bytes(pipe.plan.stages[s].phases["forward"]) for s in chunks]
     held = max(sim.peak_in_flight[rank], *(sim.peak_until_weights[rank:rank + 1] or [0]))
     grads = sum(pipe.binding.resolve()[name].nbytes for s in chunks for name in pipe.plan.stages[s].params)
     return state_bytes(pipe, inputs) + grads + held * max(stash)

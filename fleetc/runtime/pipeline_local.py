@@ -64,6 +64,12 @@ class PipelineExecutor:
                     if s not in self.holders.setdefault(var.name, []):
                         self.holders[var.name].append(s)
         self.copies: dict[tuple[int, str], torch.Tensor] = {}
+        # the action after which a (chunk, micro-batch)'s values are dead: its activations are freed there, so a
+        # schedule holds only the micro-batches it has in flight (1F1B: at most p), not every one until the update
+        self.last_reader: dict[tuple[int, int], Action] = {}
+        for rank in ranks_here:
+            for action in schedule.compute_actions(rank):
+                self.last_reader[(action.stage, action.microbatch)] = action
         self.k_steps, self.merge_avg = k_steps, merge_avg
         self.steps_merged = 0  # steps whose gradients the carried sums hold
         self._carried: dict[int, dict[str, torch.Tensor]] | None = None
@@ -176,6 +182,8 @@ class PipelineExecutor:
                 step.sums[s][name] = value if name not in step.sums[s] else step.sums[s][name] + value
             else:
                 values[key] = value
+        if self.last_reader[(s, mb)] is action:
+            del step.env[(s, mb)]
 
 
 class _Step:
