@@ -24,6 +24,7 @@ from fleetc.fleet.inference import load_inference_model
 from fleetc.ir.program import Block, Op, OpRole, Program, Var, VarKind
 from fleetc.passes.optimizers import ClipGradByGlobalNorm, ClipGradByNorm, ClipGradByValue
 from fleetc.report import CompileReport
+from fleetc.runtime.checkpoint import read_checkpoint
 from fleetc.strategy import (
     BuildStrategy,
     DistributedStrategy,
@@ -39,4 +40,5 @@ __all__ = [
     "ExecutionError", "ExecutionStrategy", "ExportError", "FleetcError", "GuardError", "Op", "OpRole", "PassError", "Program",
     "ProgramParseError", "Strategy", "StrategyError", "UnsupportedOptimizerError", "Var", "VarKind",
     "VerificationError", "compile", "device_guard", "fp16_guard", "load_inference_model",
+    "read_checkpoint",
 ]

@@ -424,7 +424,10 @@ class CompiledTrainer:
     def load_checkpoint(self, dirname: str) -> str:
         """Restore what save_checkpoint (or fleet.save_persistables) wrote: every file is checked against this
         trainer first, so it is restored completely or not at all (CheckpointError). Returns the version read."""
-        return load_checkpoint(dirname, self._live_state(), self.config)
+        loaded = load_checkpoint(dirname, self._live_state(), self.config)
+        if self._last_train is not None and self._last_train.pipeline is not None:
+            self._last_train.pipeline.load_state(None)  # copies of tied parameters and merge sums predate the load
+        return loaded
 
     # ----- inspecting ------------------------------------------------------------------------
     def _require_train(self) -> CompiledStep:

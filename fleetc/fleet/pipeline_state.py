@@ -1,17 +1,30 @@
-"""Checkpoints of a pipeline run one stage per process: every stage's current state, gathered before the write.
+"""The state of a pipeline run one stage per process: per-stage checkpoint parts, and the whole model for evaluation.
 
-A rank's model and optimizer are current only for what its stages hold (`PipelineExecutor.holders`: parameters,
-buffers such as BatchNorm's running statistics, and their optimizer state); the other entries keep their initial
-values. Before a checkpoint every rank sends its stages' entries to the others and takes theirs, so each holds the
-whole current model, and the first rank writes it with the ordinary crash-safe commit. The checkpoint is then an
-ordinary one: it resumes on the same pipeline (each rank uses its stages' part) and loads into a single process.
+A rank's model and optimizer are current only for what its stages hold (the persistables of its chunks' Programs:
+parameters, buffers such as BatchNorm's running statistics, their optimizer state, fleetc-owned state); the other
+entries keep their initial values.
+
+Checkpoints: each pipeline rank writes its own part (`pipeline.pp<index>.pt`, runtime/pipeline_checkpoint.py) into
+one staged version, only the first data-parallel replica of each stage writing (replicas hold the same state), and
+the first rank commits after all parts are in (fleet/checkpoint_parts.py, the crash-safe commit sharding uses too).
+A persistable several stages hold (tied embeddings) is stored once, by its lowest stage's rank. Gradient-merge sums
+carried mid-period are in the part; with data-parallel replicas (whose sums differ until the update's allreduce
+averages them) the part holds their average, which gives the same update.
+
+Evaluation: `gather_stage_state` makes every rank's model whole and current before an evaluation call.
 """
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
 
 from fleetc.comm import host
+from fleetc.fleet.checkpoint_parts import save_with_parts
+from fleetc.runtime.checkpoint import TrainerState, write_checkpoint
+from fleetc.runtime.pipeline_checkpoint import PART_FILE
+from fleetc.runtime.pipeline_local import PipelineExecutor
 
 
 def gather_stage_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, held: set[str]) -> None:
@@ -22,7 +35,7 @@ def gather_stage_state(model: nn.Module, optimizer: torch.optim.Optimizer | None
     state = optimizer.state_dict()["state"] if optimizer is not None else {}
     mine = ({name: t.detach() for name, t in model.state_dict().items() if name in held},
             {index: entry for index, entry in state.items() if name_of.get(id(params[index])) in held})
-    theirs = host.gather_objects(mine, "checkpoint (gathering every pipeline stage's state)")
+    theirs = host.gather_objects(mine, "evaluation (gathering every pipeline stage's state)")
     live = model.state_dict()
     with torch.no_grad():
         for tensors, entries in theirs:  # replicas of a stage hold the same entries
@@ -33,3 +46,66 @@ def gather_stage_state(model: nn.Module, optimizer: torch.optim.Optimizer | None
                 if name_of.get(id(params[index])) not in held:
                     optimizer.state[params[index]] = {k: v.clone() if isinstance(v, torch.Tensor) else v
                                                       for k, v in entry.items()}
+
+
+def stored_by(pipe: PipelineExecutor) -> dict[str, int]:
+    """The pipeline rank whose part stores each persistable: the rank of the lowest stage holding it."""
+    lowest: dict[str, int] = {}
+    for s, stage in enumerate(pipe.plan.stages):
+        for phase in stage.phases.values():
+            for var in phase.persistables():
+                lowest.setdefault(var.name, s)
+    return {name: pipe.schedule.rank_of(s) for name, s in lowest.items()}
+
+
+def tied_keys(model: nn.Module) -> dict[str, str]:
+    """state_dict keys whose tensor is an earlier key's (`lm_head.weight` → `tok.weight`): stored once."""
+    first: dict[int, str] = {}
+    tied = {}
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        source = first.setdefault(id(tensor), key)
+        if source != key:
+            tied[key] = source
+    return tied
+
+
+def _entries(live: TrainerState, keep: Any) -> dict[str, dict]:
+    """The model, optimizer-state and fleetc-owned entries whose names `keep(name)` accepts."""
+    model = live.model
+    name_of = {id(p): name for name, p in model.named_parameters()}
+    params = [p for group in live.optimizer.param_groups for p in group["params"]] if live.optimizer else []
+    state = live.optimizer.state_dict()["state"] if live.optimizer is not None else {}
+    return {"model": {k: v.detach() for k, v in model.state_dict().items() if keep(k)},
+            "optimizer": {i: entry for i, entry in state.items() if keep(name_of.get(id(params[i])))},
+            "owned": {k: v.detach() for k, v in live.owned.items() if keep(k)}}
+
+
+def _replica_mean(merge: dict, replicas: list[int]) -> dict:
+    """The carried gradient sums averaged over this stage's data-parallel replicas (a collective on every rank;
+    only mid-period with replicas): the update averages them anyway, so resuming from the mean gives the same."""
+    if merge["steps_merged"] == 0 or len(replicas) == 1:
+        return merge
+    every = host.gather_objects(merge["carried"], "checkpoint (averaging carried gradient sums over replicas)")
+    carried = {s: {name: torch.stack([every[r][s][name] for r in replicas]).mean(0) for name in sums}
+               for s, sums in merge["carried"].items()}
+    return {**merge, "carried": carried}
+
+
+def save_pipeline_checkpoint(root: str, live: TrainerState, config: Any, rng: list, pipe: PipelineExecutor,
+                             writes: bool, replicas: list[int]) -> str:
+    """Every rank calls it. `writes`: this rank is its stage's first data-parallel replica; `replicas`: the global
+    ranks holding the same stage. Returns the committed version's directory (CheckpointError on every rank when
+    any write failed)."""
+    index = pipe.ranks_here[0]
+    by, tied = stored_by(pipe), tied_keys(live.model)
+    merge = _replica_mean(pipe.merge_state(), replicas)
+    part = None
+    if writes:
+        part = (PART_FILE.format(index), {**_entries(live, lambda n: by.get(n) == index and n not in tied),
+                                          "merge": merge})
+    rest = _entries(live, lambda n: n not in by and n not in tied)  # held by no stage: the first rank writes them
+
+    def commit(staged: Any, written: dict[str, Any]) -> str:
+        parts = {"files": list(written), "tied": tied, "model": rest["model"], "optimizer_state": rest["optimizer"]}
+        return write_checkpoint(staged, live, config, rng, pipeline_parts=parts)
+    return save_with_parts(root, part, commit)

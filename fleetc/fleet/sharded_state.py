@@ -14,9 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fleetc.comm import env, host
-from fleetc.errors import CheckpointError
-from fleetc.runtime import checkpoint_commit
+from fleetc.fleet.checkpoint_parts import save_with_parts
 from fleetc.runtime.checkpoint import TrainerState, write_checkpoint
 
 SHARD_FILE = "optimizer.shard{:05d}.pt"
@@ -24,43 +22,18 @@ SHARD_FILE = "optimizer.shard{:05d}.pt"
 
 def save_sharded_checkpoint(root: str, live: TrainerState, config: Any, rng: list, shard_index: int,
                             writes_shard: bool, pieces: list[list[int]] = ()) -> str:
-    """Every rank calls it. The first rank stages a new version; each rank with `writes_shard` (one replica of each
-    shard) writes its own optimizer entries there as `optimizer.shard<index>.pt`; after a barrier the first rank
-    writes the rest and commits (checkpoint_commit), and every rank learns the outcome (CheckpointError on all when
-    any write failed; the staged version is then aborted). `pieces`: [index, lo, hi] of each parameter of which this
-    rank holds only a piece of the state (`state_pieces`), recorded in the manifest."""
-    staged, problem = None, None
-    if env.rank() == 0:
-        try:
-            staged = checkpoint_commit.begin(root)
-        except OSError as exc:
-            problem = f"{type(exc).__name__}: {exc}"
-    path, problem = host.gather_objects((staged.path if staged else None, problem),
-                                        "checkpoint (staging a version)")[0]
-    name = SHARD_FILE.format(shard_index)
+    """Every rank calls it. Each rank with `writes_shard` (one replica of each shard) writes its own optimizer
+    entries as `optimizer.shard<index>.pt` into one staged version, which the first rank commits with the rest
+    (fleet/checkpoint_parts.py: CheckpointError on every rank when any write failed). The manifest records the
+    parameter indices each file holds and `pieces`: [index, lo, hi] of each parameter of which this rank holds only
+    a piece of the state (`state_pieces`)."""
     entries = live.optimizer.state_dict()["state"]
-    if problem is None and writes_shard:
-        try:
-            checkpoint_commit.StagedVersion(root, 0, path).write(name, entries)
-        except OSError as exc:
-            problem = f"rank {env.rank()} writing {name}: {type(exc).__name__}: {exc}"
-    written = host.gather_objects((name if writes_shard else None, sorted(entries), list(pieces), problem),
-                                  "checkpoint (writing shards)")
-    problems = [p for _, _, _, p in written if p is not None]
-    result = ""
-    if env.rank() == 0 and staged is not None:
-        if problems:
-            staged.abort()
-        else:
-            try:
-                result = write_checkpoint(staged, live, config, rng, {n: held for n, held, _, _ in written if n},
-                                          {n: split for n, _, split, _ in written if n})
-            except (OSError, CheckpointError) as exc:
-                problems.append(f"{type(exc).__name__}: {exc}")
-    result, problems = host.gather_objects((result, problems), "checkpoint (waiting for the commit)")[0]
-    if problems:
-        raise CheckpointError(f"checkpoint {root!r} was not written: {problems[0]}")
-    return result
+    part = (SHARD_FILE.format(shard_index), entries) if writes_shard else None
+
+    def commit(staged: Any, written: dict[str, Any]) -> str:
+        return write_checkpoint(staged, live, config, rng, {n: held for n, (held, _) in written.items()},
+                                {n: split for n, (_, split) in written.items()})
+    return save_with_parts(root, part, commit, (sorted(entries), list(pieces)))
 
 
 def drop_foreign_state(optimizer: torch.optim.Optimizer | None, model: nn.Module, owned: set[str]) -> int:

@@ -14,8 +14,8 @@ from fleetc.comm.faults import collective_failed
 from fleetc.comm.mesh import ProcessMesh, resolve_mesh
 from fleetc.comm.plan import check_plans_agree, check_ranks_agree
 from fleetc.compiler import CompiledStep, CompiledTrainer
-from fleetc.errors import CheckpointError
-from fleetc.fleet.pipeline_state import gather_stage_state
+from fleetc.errors import CheckpointError, StrategyError
+from fleetc.fleet.pipeline_state import gather_stage_state, save_pipeline_checkpoint
 from fleetc.fleet.sharded_params import ShardedParameters, sharded_parameters, whole
 from fleetc.fleet.sharded_state import (
     drop_foreign_state,
@@ -100,6 +100,7 @@ class DataParallelTrainer(CompiledTrainer):
         self.world_size = env.world_size()
         self._owned: set[str] | None = None  # under sharding: the parameters this rank updates
         self._gathered_at = -1  # under a pipeline across processes: the step whose stage state was last gathered
+        self._resumed_merges: dict[int, dict] | None = None  # a loaded pipeline checkpoint's carried merge state
         self._sharded_params: ShardedParameters | None = None  # stage 3: the parameters this rank holds
         self.mesh, mesh_notes = resolve_mesh(self.config, self.world_size)
         self.decisions += [f"process mesh {self.mesh}", *mesh_notes]
@@ -147,8 +148,25 @@ class DataParallelTrainer(CompiledTrainer):
         """This process's rank of its pipeline group (the mesh's pp axis), over torch.distributed."""
         if self.world_size == 1:
             return super()._make_pipeline(program)
-        return make_pipeline(program, self.model, self.optimizer, self.counters, self.cpu_kernels,
-                             self.mesh.group_of("pp", env.rank()), "pp")
+        pipeline = make_pipeline(program, self.model, self.optimizer, self.counters, self.cpu_kernels,
+                                 self.mesh.group_of("pp", env.rank()), "pp")
+        if self._resumed_merges is not None:  # loaded before this pipeline existed
+            self._resume_pipeline(pipeline)
+        return pipeline
+
+    def _resume_pipeline(self, pipeline: PipelineExecutor) -> None:
+        """Hand a loaded checkpoint's carried gradient-merge state for this rank to its pipeline executor."""
+        try:
+            pipeline.load_state(self._resumed_merges.get(pipeline.ranks_here[0]))
+        except StrategyError as exc:
+            raise CheckpointError(f"the loaded checkpoint does not fit this pipeline: {exc}") from exc
+        finally:
+            self._resumed_merges = None
+
+    def _distributed_pipeline(self) -> DistributedPipeline | None:
+        """This process's pipeline rank, once a training step built it (one stage per process)."""
+        pipeline = self._last_train.pipeline if self._last_train is not None else None
+        return pipeline if isinstance(pipeline, DistributedPipeline) else None
 
     def _make_forward_pipeline(self, program: Program) -> ForwardPipeline:
         """This process's rank of the forward-only pipeline (the mesh's pp axis), over torch.distributed."""
@@ -160,8 +178,8 @@ class DataParallelTrainer(CompiledTrainer):
     def _gather_pipeline_stages(self) -> None:
         """With one pipeline stage per process, each rank's model is current for its stages only: gather the others'
         (a collective, once per training step at most) before anything reads the whole model."""
-        pipeline = self._last_train.pipeline if self._last_train is not None else None
-        if isinstance(pipeline, DistributedPipeline) and self._gathered_at != self._steps:
+        pipeline = self._distributed_pipeline()
+        if pipeline is not None and self._gathered_at != self._steps:
             gather_stage_state(self.model, self.optimizer, set(pipeline.holders))
             self._gathered_at = self._steps
 
@@ -201,7 +219,8 @@ class DataParallelTrainer(CompiledTrainer):
 
     def save_checkpoint(self, dirname: str) -> str:
         """Every rank calls it: their RNG states are gathered, the first rank writes a new crash-safe version, and
-        all wait for it (CheckpointError on every rank when the write failed)."""
+        all wait for it (CheckpointError on every rank when the write failed). Under sharding each shard, and with
+        one pipeline stage per process each stage, writes its own part into that version first."""
         if self._owned is not None and self.mesh.pp > 1:  # same on every rank: all refuse, nobody waits
             raise CheckpointError("checkpoints of a sharded pipeline (strategy.sharding with strategy.pipeline across "
                                   "processes) are not built yet: each stage's optimizer state is split over its "
@@ -211,6 +230,11 @@ class DataParallelTrainer(CompiledTrainer):
 
     def _save_whole(self, dirname: str) -> str:
         rng = host.gather_objects(rng_state(), "checkpoint (gathering RNG states)")
+        pipeline = self._distributed_pipeline()
+        if pipeline is not None and self._owned is None:  # each stage writes its own part
+            return save_pipeline_checkpoint(dirname, self._live_state(), self.config, rng, pipeline,
+                                            self.mesh.coordinates(env.rank())["dp"] == 0,
+                                            self.mesh.group_of("dp", env.rank()))
         self._gather_pipeline_stages()
         live = self._live_state()
         if self._owned is not None and self.optimizer is not None:  # sharded: each shard's entries in its own file
@@ -237,9 +261,17 @@ class DataParallelTrainer(CompiledTrainer):
             failed = [(rank, p) for rank, p in enumerate(problems) if p is not None]
             if failed:
                 raise CheckpointError(f"checkpoint {dirname!r} does not fit rank {failed[0][0]}: {failed[0][1]}")
+        live = self._live_state()
+        if self.config.pipeline and self.world_size > 1:  # a pipeline rank takes its carried gradient-merge sums
+            live.pipeline_merges = {}
         with whole(self._sharded_params):  # stage 3: the checkpoint's whole parameters, then this rank's again
-            loaded = load_checkpoint(dirname, self._live_state(), self.config, agree,
+            loaded = load_checkpoint(dirname, live, self.config, agree,
                                      owned_indices(self.optimizer, self.model, self._owned))
+        self._resumed_merges = live.pipeline_merges
+        pipeline = self._distributed_pipeline()
+        if pipeline is not None:
+            self._resume_pipeline(pipeline)
+        self._gathered_at = self._steps  # every rank now holds the whole checkpoint
         if self._owned is not None:  # the checkpoint holds every parameter's state: keep this rank's
             drop_foreign_state(self.optimizer, self.model, self._owned)
         return loaded

@@ -4,6 +4,8 @@ A checkpoint directory (written through `checkpoint_commit`) holds three files:
 - `model.pt`: `model.state_dict()`;
 - `optimizer.pt`: `optimizer.state_dict()` (empty without an optimizer); under sharding its state entries are in
   per-rank shard files the manifest's meta lists (`optimizer_shards`), merged back on load;
+- with one pipeline stage per process, `model.pt` and `optimizer.pt` hold what no stage holds and each pipeline
+  rank's entries are in its part file (`pipeline_parts`, runtime/pipeline_checkpoint.py), merged back on load;
 - `fleetc.pt`: `CompiledTrainer.state_dict()`: fleetc-owned state (counters, accumulators), the strategy state it
   belongs to (gradient merge, AMP), and the RNG state of every rank (so dropout continues the same stream).
 Loading reads and checks every file before it changes anything (keys, shapes, dtypes, the optimizer's kind and
@@ -21,7 +23,7 @@ from torch import nn
 
 from fleetc.errors import CheckpointError
 from fleetc.ops.optimizer import MASTER_KEY
-from fleetc.runtime import checkpoint_commit
+from fleetc.runtime import checkpoint_commit, pipeline_checkpoint
 
 STATE_KEY = "fleetc_owned"
 STRATEGY_KEY = "strategy_state"
@@ -156,6 +158,7 @@ class TrainerState:
     optimizer: torch.optim.Optimizer | None
     owned: dict[str, torch.Tensor]
     rank: int = 0
+    pipeline_merges: dict[int, dict] | None = None  # a pipeline rank's trainer: receives the carried merge state
 
     def snapshot(self) -> tuple[dict, dict | None, dict[str, torch.Tensor], dict[str, Any]]:
         """Copies of everything a restore may change: model, optimizer, owned state, RNG."""
@@ -206,17 +209,23 @@ def save_checkpoint(root: str, state: TrainerState, config: Any, rng: list[dict[
 
 def write_checkpoint(staged: checkpoint_commit.StagedVersion, state: TrainerState, config: Any,
                      rng: list[dict[str, Any]], optimizer_shards: Mapping[str, list[int]] | None = None,
-                     shard_pieces: Mapping[str, list[list[int]]] | None = None) -> str:
+                     shard_pieces: Mapping[str, list[list[int]]] | None = None, *,
+                     pipeline_parts: dict[str, Any] | None = None) -> str:
     """Write the trainer's files into `staged` and commit it (or abort it). `optimizer_shards`: files other writers
     (sharding ranks) put into the staged version, each holding some entries of `optimizer.state_dict()["state"]`
     (file → the parameter indices of its entries, recorded in the manifest so a loader can skip the files it does
     not need); `optimizer.pt` then holds the param groups only, and loading merges the shards back.
     `shard_pieces`: file → [index, lo, hi] for each parameter of which the file holds only the state of elements
-    [lo, hi) of the flattened parameter (sharding on flat buckets); loading joins the pieces."""
+    [lo, hi) of the flattened parameter (sharding on flat buckets); loading joins the pieces. `pipeline_parts`: the
+    pipeline ranks' part files (runtime/pipeline_checkpoint.py): {"files", "tied", "model", "optimizer_state"},
+    the last two being what `model.pt` and `optimizer.pt`'s state then hold (the entries no stage holds)."""
     try:
-        staged.write("model.pt", state.model.state_dict())
+        parts = pipeline_parts or {}
+        staged.write("model.pt", parts["model"] if parts else state.model.state_dict())
         optimizer = state.optimizer.state_dict() if state.optimizer is not None else {}
-        staged.write("optimizer.pt", {**optimizer, "state": {}} if optimizer_shards else optimizer)
+        if optimizer_shards or parts:
+            optimizer = {**optimizer, "state": parts.get("optimizer_state", {})}
+        staged.write("optimizer.pt", optimizer)
         staged.write("fleetc.pt", owned_state_dict(state.owned, config, rng))
         meta = {"optimizer": type(state.optimizer).__name__ if state.optimizer is not None else None,
                 "strategy_state": strategy_state(config)}
@@ -225,6 +234,9 @@ def write_checkpoint(staged: checkpoint_commit.StagedVersion, state: TrainerStat
             meta["optimizer_shard_params"] = {name: sorted(optimizer_shards[name]) for name in meta["optimizer_shards"]}
             meta["optimizer_shard_pieces"] = {name: list(pieces) for name, pieces in (shard_pieces or {}).items()
                                               if pieces}
+        if parts:
+            meta[pipeline_checkpoint.PARTS_KEY] = list(parts["files"])
+            meta[pipeline_checkpoint.TIED_KEY] = dict(parts["tied"])
         return staged.commit(meta)
     except BaseException:
         staged.abort()
@@ -239,14 +251,12 @@ def _needed_shards(meta: Mapping[str, Any], wanted: set[int] | None) -> list[str
             if wanted is None or name not in held or wanted.intersection(held[name])]
 
 
-def _merge_shard(merged: dict, entries: Mapping, pieces: list[list[int]], optimizer: torch.optim.Optimizer | None
-                 ) -> None:
+def _merge_shard(merged: dict, entries: Mapping, pieces: list[list[int]], shape_of: Callable[[int], tuple]) -> None:
     """Add one optimizer shard file's entries to `merged`; an entry holding a piece of a parameter's state (elements
-    [lo, hi) of each flattened tensor) is joined with the other files' pieces into the whole-shaped state."""
+    [lo, hi) of each flattened tensor) is joined with the other files' pieces into state of `shape_of(index)`."""
     split = {index: (lo, hi) for index, lo, hi in pieces}
-    params = [p for group in optimizer.param_groups for p in group["params"]] if optimizer is not None else []
     for index, slots in entries.items():
-        if index not in split or not 0 <= index < len(params):
+        if index not in split:
             merged[index] = slots
             continue
         lo, hi = split[index]
@@ -254,10 +264,44 @@ def _merge_shard(merged: dict, entries: Mapping, pieces: list[list[int]], optimi
         for key, value in slots.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 if key not in whole:
-                    whole[key] = value.new_zeros(params[index].shape)
+                    whole[key] = value.new_zeros(shape_of(index))
                 whole[key].view(-1)[lo:hi] = value.reshape(-1)
             else:
                 whole[key] = value
+
+
+def read_checkpoint(root: str) -> dict[str, Any]:
+    """The checkpoint at `root` as plain state dicts, for use without a trainer: `{"model": ..., "optimizer": ...,
+    "fleetc": ...}`, every file checked against the manifest and loaded with `weights_only=True`, the per-rank files
+    of sharding and pipeline runs merged back (`model.load_state_dict(read_checkpoint(d)["model"])`; optimizer
+    state saved in flat-bucket pieces comes back flattened, as there is no parameter to give its shape)."""
+    _, model_state, optimizer_state, owned_state, _ = _read(root)
+    return {"model": model_state, "optimizer": optimizer_state, "fleetc": owned_state}
+
+
+def _read(root: str, optimizer: torch.optim.Optimizer | None = None, wanted: set[int] | None = None
+          ) -> tuple[checkpoint_commit.CheckpointVersion, dict, dict, dict, dict[int, dict]]:
+    """The checkpoint's model, optimizer and fleetc state with every rank's files merged in, and the carried
+    gradient-merge state of a pipeline checkpoint. `optimizer` gives the shapes of state saved in pieces; `wanted`
+    as for load_checkpoint."""
+    version = checkpoint_commit.open_latest(root, FILES)
+    model_state, optimizer_state, owned_state = (version.read(name) for name in FILES)
+    pieces = version.meta.get("optimizer_shard_pieces", {})
+    params = [p for group in optimizer.param_groups for p in group["params"]] if optimizer is not None else []
+    sizes = {index: hi for split in pieces.values() for index, _, hi in split}  # the last piece ends the tensor
+
+    def shape_of(index: int) -> tuple:
+        return tuple(params[index].shape) if index < len(params) else (max(sizes.get(index, 0), 0),)
+    for shard in _needed_shards(version.meta, wanted):  # written one file per sharding rank
+        _merge_shard(optimizer_state["state"], version.read(shard), pieces.get(shard, ()), shape_of)
+    merges = {}
+    if version.meta.get(pipeline_checkpoint.PARTS_KEY):  # written one file per pipeline rank
+        where = f"{version.path}/fleetc.pt"
+        if not isinstance(owned_state, Mapping) or not isinstance(owned_state.get(STATE_KEY), dict) \
+                or not isinstance(model_state, dict) or not isinstance(optimizer_state, dict):
+            raise CheckpointError(f"{where}: the first rank's files of a pipeline checkpoint are not state dicts")
+        merges = pipeline_checkpoint.merge_parts(version, model_state, optimizer_state, owned_state[STATE_KEY])
+    return version, model_state, optimizer_state, owned_state, merges
 
 
 def load_checkpoint(root: str, state: TrainerState, config: Any,
@@ -266,19 +310,21 @@ def load_checkpoint(root: str, state: TrainerState, config: Any,
     CheckpointError and change nothing); returns the version directory read. `agree(problem or None)` runs
     between checking and restoring: data parallel makes every rank agree there, so all restore or none does.
     `wanted`: the optimizer's parameter indices whose state this loader keeps (a sharding rank's own); optimizer
-    shard files the manifest lists with none of them are not read (None: every file is)."""
+    shard files the manifest lists with none of them are not read (None: every file is). A pipeline checkpoint's
+    carried gradient-merge state goes to `state.pipeline_merges` (refused when the trainer cannot take it, i.e. when
+    that is None)."""
     checked, problem = None, None
     try:
-        version = checkpoint_commit.open_latest(root, FILES)
-        model_state, optimizer_state, owned_state = (version.read(name) for name in FILES)
-        pieces = version.meta.get("optimizer_shard_pieces", {})
-        for shard in _needed_shards(version.meta, wanted):  # written one file per sharding rank
-            _merge_shard(optimizer_state["state"], version.read(shard), pieces.get(shard, ()), state.optimizer)
+        version, model_state, optimizer_state, owned_state, merges = _read(root, state.optimizer, wanted)
         where = {name: f"{version.path}/{name}" for name in FILES}
         check_model_state(model_state, state.model, where["model.pt"])
         check_optimizer_state(optimizer_state, state.optimizer, version.meta.get("optimizer"),
                               where["optimizer.pt"])
         check_owned_state(owned_state, state.owned, config, where["fleetc.pt"])
+        if state.pipeline_merges is None and pipeline_checkpoint.mid_period(merges):
+            raise CheckpointError(f"{version.path}: saved between gradient-merge updates by a pipeline, whose "
+                                  "stages carry gradient sums; it resumes only on a pipeline with one stage per "
+                                  "process (save at an update boundary to load it elsewhere)")
         checked = (model_state, optimizer_state if state.optimizer is not None else None, owned_state)
     except CheckpointError as exc:
         problem = exc
@@ -287,4 +333,6 @@ def load_checkpoint(root: str, state: TrainerState, config: Any,
     if problem is not None:
         raise problem
     state.restore_all_or_nothing(*checked)
+    if state.pipeline_merges is not None:
+        state.pipeline_merges.update(merges)
     return version.path

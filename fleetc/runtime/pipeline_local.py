@@ -65,6 +65,12 @@ class PipelineExecutor:
                         self.holders[var.name].append(s)
         self.binding.keep_only(set(self.holders))  # no optimizer state for other ranks' stages or shards
         self.copies: dict[tuple[int, str], torch.Tensor] = {}
+        # the action after which a (chunk, micro-batch)'s values are dead: its activations are freed there, so a
+        # schedule holds only the micro-batches it has in flight (1F1B: at most p), not every one until the update
+        self.last_reader: dict[tuple[int, int], Action] = {}
+        for rank in ranks_here:
+            for action in schedule.compute_actions(rank):
+                self.last_reader[(action.stage, action.microbatch)] = action
         self.k_steps, self.merge_avg = k_steps, merge_avg
         self.steps_merged = 0  # steps whose gradients the carried sums hold
         self._carried: dict[int, dict[str, torch.Tensor]] | None = None
@@ -79,6 +85,28 @@ class PipelineExecutor:
         """After a step: keep its gradient sums for the next one, unless it updated."""
         self.steps_merged = 0 if step.update else self.steps_merged + 1
         self._carried = None if step.update else step.sums
+
+    def merge_state(self) -> dict:
+        """What this rank carries between gradient-merge updates (a checkpoint's part): the steps merged so far,
+        each chunk's gradient sums, and the period's first-step optimizer flags."""
+        return {"steps_merged": self.steps_merged, "period_flags": list(self._period_flags) if self._carried else [],
+                "carried": {s: dict(sums) for s, sums in (self._carried or {}).items()}}
+
+    def load_state(self, merge: dict | None) -> None:
+        """After a checkpoint was restored into the model and optimizer: forget the copies of shared persistables
+        (the next step copies them again) and take the carried gradient-merge state `merge_state()` gave (None:
+        at an update boundary). StrategyError when it was carried by other chunks than this rank's."""
+        self.copies.clear()
+        if merge is None or merge["steps_merged"] == 0:
+            self.steps_merged, self._carried, self._period_flags = 0, None, []
+            return
+        if sorted(merge["carried"]) != sorted(self.chunks) or merge["steps_merged"] >= self.k_steps:
+            raise StrategyError(f"the checkpoint's gradient-merge sums are of chunks {sorted(merge['carried'])} "
+                                f"after {merge['steps_merged']} steps, but this pipeline rank runs chunks "
+                                f"{self.chunks} with k_steps={self.k_steps}: resume mid-period on the same pipeline")
+        self.steps_merged = merge["steps_merged"]
+        self._carried = {s: dict(sums) for s, sums in merge["carried"].items()}
+        self._period_flags = list(merge["period_flags"])
 
     def _chunk_state(self, resolved: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
         states: dict[int, dict[str, torch.Tensor]] = {s: {} for s in self.chunks}
@@ -164,6 +192,8 @@ class PipelineExecutor:
                 step.sums[s][name] = value if name not in step.sums[s] else step.sums[s][name] + value
             else:
                 values[key] = value
+        if self.last_reader[(s, mb)] is action:
+            del step.env[(s, mb)]
 
 
 class _Step:

@@ -156,39 +156,34 @@ def _resume(rank: int, args: dict, strategy, dirname: str, g: torch.Generator) -
     return {n: named[n].detach().clone() for n in pipe.plan.stages[pipe.ranks_here[0]].params}
 
 
-def disagreeing_plans(rank: int, args: dict, out_dir: str) -> None:
-    """Rank 1 builds another schedule: both ranks must refuse before the first message."""
+def faults(rank: int, args: dict, out_dir: str) -> None:
+    """First rank 1 builds another schedule: both ranks must refuse before the first message. Then both build the
+    same one and take a good step, after which rank 1 dies (or hangs): rank 0's next step must fail with a
+    CollectiveError, not hang."""
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
     _, _, pipe = _pipeline(rank, {**args, "mode": args["mode"] if rank == 0 else "FThenB"})
     batch, _ = ZOO[args["model"]].make_batch(torch.Generator().manual_seed(1))
-    try:
-        pipe.step(*batch)
-        outcome = "completed"
-    except CollectiveError as exc:
-        outcome = str(exc)
-    torch.save({"outcome": outcome}, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
-
-
-def dead_stage(rank: int, args: dict, out_dir: str) -> None:
-    """After one good step rank 1 dies (or hangs); rank 0's next step must fail with a CollectiveError, not hang."""
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    outcome = {"plans": _outcome(pipe, batch)}
     _, _, pipe = _pipeline(rank, {**args, "timeout_s": 5.0})
-    batch, _ = ZOO[args["model"]].make_batch(torch.Generator().manual_seed(1))
     pipe.step(*batch)   # one good step: the plan check and the first messages pass
     if rank == 1:
+        torch.save(outcome, os.path.join(out_dir, f"rank{rank}.pt"))
         if args["fault"] == "kill":
             os._exit(3)
         import time
-        time.sleep(15)
+        time.sleep(10)
         os._exit(0)
+    outcome["fault"] = _outcome(pipe, batch)
+    torch.save(outcome, os.path.join(out_dir, f"rank{rank}.pt"))
+    os._exit(0)  # the process group is broken; skip its teardown
+
+
+def _outcome(pipe: DistributedPipeline, batch: tuple) -> str:
     try:
         pipe.step(*batch)
-        outcome = "completed"
+        return "completed"
     except CollectiveError as exc:
-        outcome = str(exc)
-    torch.save({"outcome": outcome}, os.path.join(out_dir, f"rank{rank}.pt"))
-    os._exit(0)  # the process group is broken; skip its teardown
+        return str(exc)
 
 
 if __name__ == "__main__":

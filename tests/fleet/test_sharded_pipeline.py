@@ -36,7 +36,8 @@ def test_sharded_stages_of_a_pipeline_match_eager(zoo_name, stage, clip_norm, k_
     for r in results:
         assert r.returncode == 0, r.output[-3000:]
     mesh = ProcessMesh(pp=STAGES, sharding=SHARDS)
-    losses, params = fleet_reference(zoo_name, STAGES, SHARDS * MICROBATCHES, STEPS, k_steps, clip_norm)
+    losses, params = fleet_reference(zoo_name, STAGES, SHARDS * MICROBATCHES, STEPS * k_steps, k_steps,
+                                     clip_norm)
     if args["evaluate"]:  # evaluation on every rank sees every stage's current, whole parameters
         make, _ = STAGED[zoo_name]
         reference = make(STAGES)

@@ -145,16 +145,17 @@ def eager_accumulating_step(model, optimizer, loss_fn, args: tuple, microbatches
 
 def fleet_reference(zoo_name: str, stages: int, microbatches: int, steps: int, k_steps: int = 1,
                     clip_norm: float | None = None) -> tuple[list[float], dict]:
-    """Eager PyTorch on one process: per step, the gradient of the mean loss over the global batch's micro-batches
-    (every replica's micro-batches: the replicas' average gradient is the gradient of that mean); one update every
-    k_steps steps on their average, clipped to the global norm `clip_norm`."""
+    """Eager PyTorch on one process for `steps` steps of the zoo's batches (generator seed 1), from the weights of
+    seed 0: per step, the gradient of the mean loss over the global batch's micro-batches (every replica's: the
+    replicas' average gradient is the gradient of that mean); one update every k_steps steps on their average,
+    clipped to the global norm `clip_norm`. Returns the losses and the final parameters."""
     make, optimizer_name = STAGED[zoo_name]
     torch.manual_seed(0)
     model = make(stages)
     optimizer = OPTIMIZERS[optimizer_name](model.parameters())
     g = torch.Generator().manual_seed(1)
     losses = []
-    for step in range(steps * k_steps):
+    for step in range(steps):
         batch, _ = ZOO[zoo_name].make_batch(g)
         losses.append(eager_accumulating_step(model, optimizer, ZOO[zoo_name].loss_fn, batch, microbatches,
                                               update=(step + 1) % k_steps == 0, divide=k_steps, clip_norm=clip_norm))

@@ -1,0 +1,76 @@
+"""The per-stage part files of a pipeline checkpoint, and how loading folds them back into one checkpoint.
+
+With one pipeline rank per process each rank writes its own part, `pipeline.pp<index>.pt` (fleet/pipeline_state.py
+saves): the model entries, optimizer state and fleetc-owned state its stages hold, and the gradient-merge sums its
+executor carries mid-period. A persistable several stages hold (tied embeddings) is in the part of its lowest
+stage only; a state_dict key that aliases another tensor (`lm_head.weight` tied to `tok.weight`) is listed in the
+manifest's meta (`tied`) and filled from it on load. The first rank's `model.pt`/`optimizer.pt` hold what no stage
+holds. Loading merges the parts into one model state_dict, one optimizer state_dict and one fleetc state, so the
+checkpoint then passes the ordinary checks and loads into any trainer, or into a plain model
+(`fleetc.read_checkpoint`).
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from fleetc.errors import CheckpointError
+
+PART_FILE = "pipeline.pp{:05d}.pt"
+PARTS_KEY = "pipeline_parts"  # manifest meta: the part files
+TIED_KEY = "tied"             # manifest meta: {aliasing state_dict key: the key whose tensor it is}
+KINDS = ("model", "optimizer", "owned")
+_PART = re.compile(r"^pipeline\.pp(\d{5})\.pt$")
+
+
+def part_index(name: str, where: str) -> int:
+    """The pipeline rank a part file belongs to, from its name."""
+    match = _PART.match(name)
+    if match is None:
+        raise CheckpointError(f"{where}: {PARTS_KEY} lists {name[:60]!r}, which is not a pipeline part file name")
+    return int(match.group(1))
+
+
+def check_merge_state(merge: Any, where: str) -> None:
+    """CheckpointError unless `merge` is a pipeline rank's carried gradient-merge state as `merge_state()` gives."""
+    if not isinstance(merge, Mapping) or type(merge.get("steps_merged")) is not int or merge["steps_merged"] < 0 \
+            or not isinstance(merge.get("carried"), Mapping) or not isinstance(merge.get("period_flags"), list):
+        raise CheckpointError(f"{where}: 'merge' must be {{'steps_merged': int, 'carried': {{chunk: {{grad: "
+                              f"tensor}}}}, 'period_flags': [...]}}, got {type(merge).__name__}")
+
+
+def merge_parts(version: Any, model_state: dict, optimizer_state: dict, owned_entries: dict) -> dict[int, dict]:
+    """Fold the version's part files (if any) into the model state_dict, the optimizer state_dict's `state` and the
+    fleetc-owned entries, in place; returns each pipeline rank's carried gradient-merge state by index."""
+    merges: dict[int, dict] = {}
+    seen: dict[str, dict[Any, str]] = {kind: {} for kind in KINDS}
+    for name in version.meta.get(PARTS_KEY, ()):
+        where = f"{version.path}/{name}"
+        index = part_index(name, where)
+        part = version.read(name)
+        if not isinstance(part, Mapping) or not all(isinstance(part.get(kind), Mapping) for kind in KINDS):
+            raise CheckpointError(f"{where}: expected a pipeline part {{'model', 'optimizer', 'owned', 'merge'}}, "
+                                  f"got {type(part).__name__}")
+        check_merge_state(part.get("merge"), where)
+        targets = {"model": model_state, "optimizer": optimizer_state.setdefault("state", {}),
+                   "owned": owned_entries}
+        for kind in KINDS:
+            for key, value in part[kind].items():
+                if key in seen[kind]:
+                    raise CheckpointError(f"{where}: {kind} entry {key!r} is also in {seen[kind][key]}: a stored "
+                                          "entry belongs to exactly one pipeline part")
+                seen[kind][key] = name
+                targets[kind][key] = value
+        merges[index] = dict(part["merge"])
+    tied = version.meta.get(TIED_KEY, {})
+    for alias, source in tied.items() if isinstance(tied, Mapping) else ():
+        if source not in model_state:
+            raise CheckpointError(f"{version.path}: {alias!r} is tied to {source!r}, which no file holds")
+        model_state[alias] = model_state[source]
+    return merges
+
+
+def mid_period(merges: Mapping[int, Mapping]) -> bool:
+    """Whether a pipeline rank saved between gradient-merge updates (it carries gradient sums)."""
+    return any(m["steps_merged"] > 0 for m in merges.values())

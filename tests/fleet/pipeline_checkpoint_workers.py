@@ -1,0 +1,75 @@
+"""Worker bodies of the per-stage pipeline checkpoint tests (`python -m fleet.pipeline_checkpoint_workers NAME ARGS
+OUT_DIR`): the zoo GPT (tied embeddings, Adam) on two stages, one per process, with gradient merge k_steps=2."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from helpers.pipeline import STAGED
+from zoo import OPTIMIZERS, ZOO
+
+import fleetc
+from fleetc import fleet
+
+
+def _trainer(args: dict, seed: int):
+    fleet.init(is_collective=True)
+    make, optimizer_name = STAGED[args["model"]]
+    torch.manual_seed(seed)
+    model = make(args["stages"])
+    strategy = fleetc.DistributedStrategy()
+    strategy.pipeline = True
+    replicas = dist.get_world_size() // args["stages"]
+    strategy.pipeline_configs = {"micro_batch_size": args["batch"] // (replicas * args["microbatches"]),
+                                 "accumulate_steps": args["microbatches"], "schedule_mode": args["mode"]}
+    strategy.gradient_merge = True
+    strategy.gradient_merge_configs = {"k_steps": args["k_steps"]}
+    opt = fleet.distributed_optimizer(OPTIMIZERS[optimizer_name](model.parameters()), strategy)
+    return model, fleetc.compile(model, optimizer=opt, loss_fn=ZOO[args["model"]].loss_fn)
+
+
+def _batches(args: dict, rank: int) -> list[tuple]:
+    """This rank's replica's share of the same global batches on every run."""
+    g = torch.Generator().manual_seed(1)
+    replicas = dist.get_world_size() // args["stages"]
+    return [tuple(a.chunk(replicas)[rank // args["stages"]] for a in ZOO[args["model"]].make_batch(g)[0])
+            for _ in range(args["steps"])]
+
+
+def _finish(rank: int, model, trainer, losses: list[float], out_dir: str) -> None:
+    """Saves the losses, this rank's stage parameters and their Adam `exp_avg`."""
+    pipe = trainer._last_train.pipeline
+    named = dict(model.named_parameters())
+    held = pipe.plan.stages[pipe.ranks_here[0]].params
+    torch.save({"losses": losses, "params": {n: named[n].detach().clone() for n in held},
+                "exp_avg": {n: trainer.optimizer.state[named[n]]["exp_avg"].clone() for n in held}},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+    fleet.barrier_worker()
+    fleet.stop_worker()
+
+
+def uninterrupted(rank: int, args: dict, out_dir: str) -> None:
+    """`steps` steps without a break, saving checkpoints on the way: `saves` maps a step count to a directory."""
+    model, trainer = _trainer(args, seed=rank)
+    losses = []
+    for i, batch in enumerate(_batches(args, rank)):
+        losses.append(float(trainer.step(*batch)))
+        if str(i + 1) in args["saves"]:
+            fleet.save_persistables(args["saves"][str(i + 1)], trainer)
+    _finish(rank, model, trainer, losses, out_dir)
+
+
+def resumed(rank: int, args: dict, out_dir: str) -> None:
+    """New processes, other initial weights: load the checkpoint and take the remaining steps."""
+    model, trainer = _trainer(args, seed=100 + rank)
+    fleet.load_persistables(args["saves"][str(args["resume_after"])], trainer)
+    losses = [float(trainer.step(*batch)) for batch in _batches(args, rank)[args["resume_after"]:]]
+    _finish(rank, model, trainer, losses, out_dir)
+
+
+if __name__ == "__main__":
+    name, args, out_dir = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+    globals()[name](int(os.environ["RANK"]), args, out_dir)
