@@ -189,6 +189,12 @@ def test_loss_module_buffers_are_lifted_constants(dynamic_dims):
     verify(program)
 
 
+def test_a_tensor_the_loss_function_closes_over_is_a_lifted_constant():
+    weight = torch.tensor([2.0, 1.0, 0.25])
+    trainer, _ = _train_both(lambda: nn.Linear(4, 3), lambda out, y: F.cross_entropy(out, y, weight=weight), _classes)
+    assert [2.0, 1.0, 0.25] in _constant_values(trainer.history["capture"].program)
+
+
 class _StridedViews(nn.Module):
     """Views of non-contiguous tensors: a transposed tensor flattened (`reshape` copies), `as_strided` and
     `unfold` windows, and a narrow slice viewed (`view` is legal on it), as relative-position attention does."""
