@@ -2,6 +2,7 @@
 
     python scripts/support_matrix.py            # run every architecture under every preset, rewrite the table
     python scripts/support_matrix.py --check    # run again; exit 1 and show the differences if the table is stale
+    python scripts/support_matrix.py --check --only gpt2   # check gpt2's row alone
     python scripts/support_matrix.py --only gpt2,bert --out matrix.md   # a partial run, written elsewhere
     python scripts/support_matrix.py --jobs 3 2> progress.log   # later, after an interruption:
     python scripts/support_matrix.py --jobs 3 --resume progress.log   # runs only what progress.log lacks
@@ -68,14 +69,48 @@ def run(names: list[str], jobs: int, done: dict[str, dict[str, str]]) -> dict[st
         return dict(zip(names, pool.map(row, names, dones)))
 
 
+def _header() -> list[str]:
+    return ["| architecture | " + " | ".join(PRESETS) + " |", "|---" * (len(PRESETS) + 1) + "|"]
+
+
 def table(cells: dict[str, dict[str, str]]) -> str:
-    lines = ["| architecture | " + " | ".join(PRESETS) + " |", "|---" * (len(PRESETS) + 1) + "|"]
+    """The Markdown table of `cells` (architecture → preset → cell), presets in PRESETS order."""
+    lines = _header()
     for name, row in cells.items():
         lines.append(f"| {name} | " + " | ".join(row[p].replace("|", "\\|") for p in PRESETS) + " |")
     return "\n".join(lines)
 
 
+_CELL_SEPARATOR = re.compile(r"(?<!\\) \| ")
+
+
+def parse(text: str) -> dict[str, dict[str, str]]:
+    """The cells of a table `table` wrote (its inverse); a table in another layout is a SystemExit naming the
+    line, since only this script may write it."""
+    lines = text.strip().splitlines()
+    if lines[:2] != _header():
+        raise SystemExit(f"the support matrix's header is not {_header()[0]!r}: rewrite it with this script")
+    cells: dict[str, dict[str, str]] = {}
+    for number, line in enumerate(lines[2:], start=3):
+        parts = _CELL_SEPARATOR.split(line.removeprefix("| ").removesuffix(" |"))
+        if not (line.startswith("| ") and line.endswith(" |")) or len(parts) != len(PRESETS) + 1:
+            raise SystemExit(f"line {number} of the support matrix is not a row of {len(PRESETS) + 1} cells: {line!r}")
+        cells[parts[0]] = {p: c.replace("\\|", "|") for p, c in zip(PRESETS, parts[1:])}
+    return cells
+
+
+def stale_rows(committed_table: str, fresh: dict[str, dict[str, str]]) -> list[str]:
+    """A unified diff of the committed table's rows for the architectures in `fresh` against `fresh` (empty
+    when they agree); a full run also compares which architectures the table lists."""
+    old = parse(committed_table)
+    if set(fresh) != set(ARCHITECTURES):  # a partial run (--only): compare its rows alone
+        old = {name: old[name] for name in fresh if name in old}
+    old_lines, new_lines = ((table(cells) + "\n").splitlines(True) for cells in (old, fresh))
+    return list(difflib.unified_diff(old_lines, new_lines, "README.md (committed)", "fresh run"))
+
+
 def committed(readme: str) -> str:
+    """The table between the support-matrix markers of README.md's text."""
     if BEGIN not in readme or END not in readme:
         raise SystemExit(f"README.md has no {BEGIN} ... {END} section")
     return readme.split(BEGIN, 1)[1].split(END, 1)[0].strip()
@@ -95,16 +130,16 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown architectures {unknown}; known: {', '.join(ARCHITECTURES)}")
     done = resumed(pathlib.Path(options.resume).read_text()) if options.resume else {}
-    fresh = table(run(names, options.jobs, done))
+    cells = run(names, options.jobs, done)
+    fresh = table(cells)
     readme_path = ROOT / "README.md"
     readme = readme_path.read_text()
     if options.check:
-        old = committed(readme)
-        if old == fresh:
-            print("README.md's support matrix matches a fresh run")
+        diff = stale_rows(committed(readme), cells)
+        if not diff:
+            print(f"README.md's support matrix matches a fresh run of {', '.join(names)}")
             return 0
-        sys.stdout.writelines(difflib.unified_diff(old.splitlines(True), (fresh + "\n").splitlines(True),
-                                                   "README.md (committed)", "fresh run"))
+        sys.stdout.writelines(diff)
         return 1
     if options.out:
         pathlib.Path(options.out).write_text(fresh + "\n")

@@ -76,13 +76,15 @@ class TrainStep(nn.Module):
     """`forward(*tensors)` is the loss of one training step on the tensor arguments of `inputs`.
 
     With a loss function the last positional argument is the target:
-    `loss_fn(model(*args[:-1], **kwargs), args[-1])`.
+    `loss_fn(model(*args[:-1], **kwargs), args[-1])`. A loss module is held, not registered as a submodule: its
+    buffers (`nn.CrossEntropyLoss(weight=...)`) are not model state, so the trace lifts them as constants, like
+    any other tensor the step reads that is neither a parameter nor a buffer of the model.
     """
 
     def __init__(self, model: nn.Module, loss_fn: Callable | None, inputs: StepInputs):
         super().__init__()
         setattr(self, MODEL_ATTR, model)
-        self.loss_fn = loss_fn
+        object.__setattr__(self, "loss_fn", loss_fn)
         self.inputs = inputs
 
     def forward(self, *tensors: torch.Tensor) -> torch.Tensor:

@@ -116,6 +116,7 @@ class _Converter:
         self.seq_to_forward: dict[int, list[Op]] = {}
         self.renames: dict[str, str] = {}  # temporaries bound to result names, applied by flush_renames
         self.names: Names | None = None  # built on the first `fresh` call
+        self.constants: dict[int, str] = {}  # id(lifted tensor) → its CONSTANT Var (forward and backward share one)
 
     def fresh(self, base: str) -> str:
         """A name not yet used in the Program. The names are collected once, on the first call: the FX node names
@@ -222,6 +223,9 @@ class _Converter:
         value = getattr(self.gm, node.target)
         if not isinstance(value, torch.Tensor):  # a subgraph of a higher-order op (torch.cond, ...)
             raise _not_an_operator(next(iter(node.users), node))
+        if id(value) in self.constants:
+            self.env[node] = Ref(self.constants[id(value)])
+            return
         name = self.fresh(f"const.{node.name.lstrip('_')}")
         try:
             add_constant(self.program, name, value)
@@ -231,6 +235,7 @@ class _Converter:
             raise CaptureError(f"cannot capture a tensor constant made in forward at "
                                f"{source or 'an unknown location'}: {exc}\n"
                                "  hint: make it a registered buffer (module.register_buffer) instead") from None
+        self.constants[id(value)] = name
         self.env[node] = Ref(name)
 
     def drop_check(self, node: torch.fx.Node) -> None:

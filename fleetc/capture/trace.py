@@ -93,9 +93,15 @@ def _direct_trace(module: nn.Module, args: tuple, kwargs: dict[str, Any],
     (fleetc/capture/provenance.py): about 40% less capture time than torch.export followed by the joint export."""
     from torch._export.utils import _compiling_state_context
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
     from fleetc.capture.provenance import recording_provenance
 
+    # The trace's fake mode, given through the inputs: it lets a real tensor that is no input, parameter or buffer
+    # (a plain tensor attribute, a loss module's buffer, a closed-over tensor) into the trace, where it becomes a
+    # lifted constant (a `get_attr` node), as under torch.export.
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    args = tuple(fake_mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)
     with torch.fx.traceback.preserve_node_meta(), grad_mode, contextlib.ExitStack() as stack:
         # As under torch.export, model code sees `torch.compiler.is_compiling()` / `is_exporting()` and takes its
         # traceable paths (transformers' mask helpers otherwise read tensor values).

@@ -147,6 +147,54 @@ def test_dead_code_elimination_drops_unread_constants(minilm):
     verify(program)
 
 
+class _TensorAttributes(nn.Module):
+    """Tensors held as plain attributes (neither parameter nor buffer) and read in forward: a scalar and a table."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.scale = torch.tensor(2.0)
+        self.class_bias = torch.tensor([0.5, -0.25, 0.0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * self.scale + self.class_bias
+
+
+def _classes(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g)
+
+
+def _constant_values(program: Program) -> list:
+    return [program.metadata[CONSTANTS_KEY][v.name] for v in program.all_vars() if v.kind is VarKind.CONSTANT]
+
+
+@pytest.mark.parametrize("dynamic_dims", [None, {"x": {0: "batch"}}], ids=["static", "symbolic"])
+def test_plain_tensor_attributes_are_lifted_constants(dynamic_dims):
+    trainer, _ = _train_both(_TensorAttributes, nn.CrossEntropyLoss(), _classes, dynamic_dims=dynamic_dims)
+    program = trainer.history["capture"].program
+    assert sorted(map(str, _constant_values(program))) == ["2.0", "[0.5, -0.25, 0.0]"]
+    assert not any(v.kind is VarKind.BUFFER for v in program.all_vars())
+    verify(program)
+
+
+@pytest.mark.parametrize("dynamic_dims", [None, {"x": {0: "batch"}}], ids=["static", "symbolic"])
+def test_loss_module_buffers_are_lifted_constants(dynamic_dims):
+    # nn.CrossEntropyLoss(weight=...) holds its class weights as a buffer of the loss module, not of the model.
+    loss_fn = nn.CrossEntropyLoss(weight=torch.tensor([1.0, 3.0, 0.5]))
+    dynamic_dims = dynamic_dims and {"input": dynamic_dims["x"]}  # nn.Linear.forward(input)
+    trainer, _ = _train_both(lambda: nn.Linear(4, 3), loss_fn, _classes, dynamic_dims=dynamic_dims)
+    program = trainer.history["capture"].program
+    assert [1.0, 3.0, 0.5] in _constant_values(program)
+    assert not any(name.startswith("loss_fn") for name in program.global_block.vars)
+    verify(program)
+
+
+def test_a_tensor_the_loss_function_closes_over_is_a_lifted_constant():
+    weight = torch.tensor([2.0, 1.0, 0.25])
+    trainer, _ = _train_both(lambda: nn.Linear(4, 3), lambda out, y: F.cross_entropy(out, y, weight=weight), _classes)
+    assert [2.0, 1.0, 0.25] in _constant_values(trainer.history["capture"].program)
+
+
 class _StridedViews(nn.Module):
     """Views of non-contiguous tensors: a transposed tensor flattened (`reshape` copies), `as_strided` and
     `unfold` windows, and a narrow slice viewed (`view` is legal on it), as relative-position attention does."""
