@@ -11,11 +11,15 @@ bench/cpu_backend.py's (imported from this script's folder).
 from __future__ import annotations
 
 import argparse
+import copy
 import re
 from collections import defaultdict
 
 import torch
-from cpu_backend import MODELS, runners
+from cpu_backend import MODELS, fusion_strategy, runners
+from zoo import OPTIMIZERS
+
+import fleetc
 
 # (family, pattern on the aten op name), first match wins; events that are not aten ops are fleetc's op ranges.
 FAMILIES = [
@@ -56,6 +60,21 @@ def profile_step(run, args: tuple, kwargs: dict, steps: int, totals: dict, event
         totals[family(event.key)] += ms
 
 
+def black_listed(entry, optimizer: str, names: list[str]) -> dict:
+    """fleetc and fleetc+cpu step functions under bf16 AMP with `names` black-listed, on runners()'s initial model."""
+    torch.manual_seed(0)  # as cpu_backend.runners: the same initial model
+    base = entry.make_model()
+    made = {}
+    for label, fused in (("fleetc", False), ("fleetc+cpu", True)):
+        model = copy.deepcopy(base)
+        strategy = fusion_strategy(fused, amp=True)
+        strategy.amp_configs = {"custom_black_list": names}
+        trainer = fleetc.compile(model, strategy, optimizer=OPTIMIZERS[optimizer](model.parameters()),
+                                 loss_fn=entry.loss_fn, cpu_kernels="sync" if fused else "off")
+        made[f"{label} black={','.join(names)}"] = trainer.step
+    return made
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="resnet", choices=sorted(MODELS))
@@ -65,9 +84,14 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--torch-compile", action="store_true")
     parser.add_argument("--top", type=int, default=0, help="also print each variant's N costliest events")
+    parser.add_argument("--amp-black-list", default="",
+                        help="comma-separated op names (bf16): also profile fleetc and fleetc+cpu with them in "
+                             "amp_configs.custom_black_list, e.g. batch_norm for the float32 batch norm of before")
     opts = parser.parse_args()
     entry = MODELS[opts.model]
     made, _ = runners(entry, opts.optimizer, opts.precision == "bf16", opts.torch_compile)
+    if opts.amp_black_list:
+        made.update(black_listed(entry, opts.optimizer, opts.amp_black_list.split(",")))
     g = torch.Generator().manual_seed(1)
     batches = [entry.make_batch(g) for _ in range(opts.warmup + opts.steps)]
     names = list(made)
