@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from fleetc.errors import VerificationError
 from fleetc.ir.constants import constant_problem
 from fleetc.ir.liveness import block_reads, mutated_inputs
+from fleetc.ir.meta_dtypes import real_results
 from fleetc.ir.printer import format_op
 from fleetc.ir.program import (
     CONDITIONAL_BLOCK,
@@ -92,9 +93,9 @@ class _ShapeChecker:
         try:
             with self.mode:
                 result = fn(*args, **kwargs)
+                results = real_results(op.type, args, list(result) if isinstance(result, (tuple, list)) else [result])
         except Exception as exc:  # the op cannot run on these inputs at all
             return f"does not accept its inputs: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-        results = list(result) if isinstance(result, (tuple, list)) else [result]
         if len(results) != len(op.outputs):
             return f"computes {len(results)} result(s) but declares {len(op.outputs)} output(s)"
         for name, value in zip(op.outputs, results):

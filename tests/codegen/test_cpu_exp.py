@@ -30,7 +30,7 @@ def dense(low: float, high: float) -> torch.Tensor:
 
 
 def run_step(op_type: str, x: torch.Tensor) -> torch.Tensor:
-    call = dict(steps=((op_type, (operand(0),), ()),), results=(1,), name="dense")
+    call = {"steps": ((op_type, (operand(0),), ()),), "results": (1,), "name": "dense"}
     return cpu_kernel("fleetc.fused_elementwise", (x,), call)(x, **call)
 
 

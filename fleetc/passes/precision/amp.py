@@ -2,7 +2,9 @@
 
 The joint graph already holds the backward ops, so one dataflow sweep covers both directions: a
 white op casts its float inputs to low precision, a black op to float32, and a gray op runs in low
-precision only when all its float inputs already are (Paddle's promote rule). Every value is cast
+precision only when all its float inputs already are (Paddle's promote rule). A mixed op (batch norm) is gray
+for its activations (`input`, `grad_out`) and reads its parameters and statistics as they are (float32), as
+Paddle's `_keep_fp32_input` and torch's CPU autocast do; its statistics outputs stay float32. Every value is cast
 to a given dtype at most once and the cast reused. fleetc ops (optimizer updates, buffer assigns),
 the aten ops of a traced optimizer update, and fetched values get back the dtype capture gave them, so gradients reach the optimizer in
 float32 and parameters stay float32 (master weights). With `use_pure_fp16` the parameters themselves
@@ -21,6 +23,7 @@ from fleetc.capture.fp16_guard import ATTR as FP16_GUARD
 from fleetc.capture.to_program import grad_name
 from fleetc.errors import PassError
 from fleetc.ir.liveness import aliased_input
+from fleetc.ir.meta_dtypes import real_results
 from fleetc.ir.program import Op, OpRole, Program, Ref, Var, VarKind, map_refs
 from fleetc.ir.registry import resolve_callable
 from fleetc.ir.usedef import Names
@@ -128,10 +131,12 @@ class _CastRewriter:
             to_fake = lambda r: self.fake(r.name, dtype_of(r.name))  # noqa: E731
             try:
                 with self.mode:
-                    result = resolve_callable(op.type)(*map_refs(args, to_fake), **map_refs(kwargs, to_fake))
+                    fake_args = map_refs(args, to_fake)
+                    result = resolve_callable(op.type)(*fake_args, **map_refs(kwargs, to_fake))
+                    values = real_results(op.type, fake_args,
+                                          list(result) if isinstance(result, (tuple, list)) else [result])
             except Exception:  # noqa: BLE001 (any rejection means: run this op in float32 instead)
                 return None
-            values = list(result) if isinstance(result, (tuple, list)) else [result]
             return [v.dtype if isinstance(v, torch.Tensor) else None for v in values]
 
         return self.memo.infer(op, args, kwargs, lambda name: self.describe(name, dtype_of(name)), run)
@@ -149,6 +154,11 @@ class _CastRewriter:
             return self.low
         if kind == "black":
             return FLOAT32
+        if kind == "mixed":  # aten takes a low-precision activation only with all-float32 parameters and statistics
+            acts = [n for n in _activation_inputs(op) if self.castable(n)]
+            others = [n for n in op.inputs if self.castable(n) and n not in acts]
+            return self.low if acts and all(self.program.var(n).dtype == self.low for n in acts) and all(
+                self.program.var(n).dtype == FLOAT32 for n in others) else FLOAT32
         floats = [n for n in op.inputs if self.castable(n)]
         if floats and all(self.program.var(n).dtype == self.low for n in floats):
             return self.low
@@ -175,6 +185,8 @@ class _CastRewriter:
         """Target dtype, input casts, args, kwargs and output dtypes for an aten op; float32 when low precision fails."""
         for target in dict.fromkeys([self.target_dtype(op), FLOAT32]):
             casts = {n: target for n in op.inputs if self.castable(n) and self.program.var(n).dtype != target}
+            if target == self.low and self.lists.classify(op.type) == "mixed":  # parameters and statistics as they are
+                casts = {n: target for n in _activation_inputs(op) if n in casts}
             args, kwargs = self._with_input_dtype(op, target), dict(op.kwargs)
             if target == FLOAT32 and casts and self._accumulates_in(op, kwargs):
                 # A reduction with a dtype argument reads low precision and accumulates in float32: no cast.
@@ -232,6 +244,14 @@ class _CastRewriter:
         for key, name in self.program.fetches.items():
             if self.castable(name) and self.program.var(name).dtype != self.original[name]:
                 self.program.fetches[key] = self.restore_dtype(name, self.ops[-1])
+
+
+def _activation_inputs(op: Op) -> list[str]:
+    """The Vars a mixed op (batch norm) reads as activations, `input` and `grad_out`: the ones that follow the
+    low-precision dtype, and that aten requires to share one dtype."""
+    schema = resolve_callable(op.type)._schema
+    return [value.name for arg, value in zip(schema.arguments, op.args)
+            if arg.name in ("input", "grad_out") and isinstance(value, Ref)]
 
 
 class AutoMixedPrecision:

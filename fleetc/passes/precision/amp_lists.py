@@ -29,9 +29,14 @@ _EMBEDDING = ("embedding", "embedding_dense_backward")
 DEFAULT_WHITE = frozenset((*_MATMUL, *_CONV))
 # Float32: exponentials, normalisation statistics, losses and reductions, which overflow or lose mass
 # in 8 mantissa bits; embeddings, whose backward accumulates many rows into one.
-DEFAULT_BLACK = frozenset((*_SOFTMAX, *_LOG_SOFTMAX, *_BATCH_NORM, *_LAYER_NORM, *_GROUP_NORM, *_LOSSES,
+DEFAULT_BLACK = frozenset((*_SOFTMAX, *_LOG_SOFTMAX, *_LAYER_NORM, *_GROUP_NORM, *_LOSSES,
                            *_EMBEDDING, "sum", "mean", "prod", "cumsum", "var", "var_mean", "std", "norm",
                            "linalg_vector_norm", "exp", "log", "log1p", "pow"))
+# Mixed: gray for the activation (input, grad_out) while parameters and statistics stay float32, as Paddle's AMP
+# keeps batch_norm's Scale/Bias/Mean/Variance (`_keep_fp32_input`) and torch's autocast leaves batch_norm to its
+# input's dtype. aten computes the statistics in float32 either way; a float32 batch norm between two convs would
+# cost two casts and twice the memory traffic per activation, forward and backward.
+DEFAULT_MIXED = frozenset(_BATCH_NORM)
 
 # Names users write (Paddle op names, common short names) → aten packets, backward included.
 ALIASES: dict[str, tuple[str, ...]] = {
@@ -77,6 +82,7 @@ class AmpLists:
 
     white: frozenset[str]
     black: frozenset[str]
+    mixed: frozenset[str] = DEFAULT_MIXED
 
     @classmethod
     def from_config(cls, custom_white: tuple[str, ...], custom_black: tuple[str, ...]) -> "AmpLists":
@@ -85,11 +91,14 @@ class AmpLists:
         both = white & black
         if both:
             raise PassError(f"amp_configs.custom_white_list and custom_black_list both name {sorted(both)}")
-        return cls((DEFAULT_WHITE - black) | white, (DEFAULT_BLACK - white) | black)
+        return cls((DEFAULT_WHITE - black) | white, (DEFAULT_BLACK - white) | black, DEFAULT_MIXED - white - black)
 
     def classify(self, op_type: str) -> str:
-        """'white', 'black' or 'gray' (gray ops follow their inputs) for an aten op type."""
+        """'white', 'black', 'mixed' (gray for the activation, float32 parameters) or 'gray' (gray ops follow their
+        inputs) for an aten op type."""
         packet = op_type.split(".")[1]
         if packet in self.white:
             return "white"
-        return "black" if packet in self.black else "gray"
+        if packet in self.black:
+            return "black"
+        return "mixed" if packet in self.mixed else "gray"

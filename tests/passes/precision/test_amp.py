@@ -258,6 +258,41 @@ def test_custom_black_varnames_keep_a_layer_in_fp32_forward_and_backward():
     assert any("no_such_var" in note for note in trainer.history["amp"].report.notes)
 
 
+BATCH_NORMS = ("aten._native_batch_norm_legit_functional.default", "aten.native_batch_norm_backward.default")
+
+
+def batch_norm_dtypes(program) -> list[tuple[str, list[str], list[str]]]:
+    """(op type, activation input dtypes, output dtypes) of every batch norm op, forward and backward."""
+    found = []
+    for _, op in program.walk_ops():
+        if op.type in BATCH_NORMS:
+            acts = op.args[:2] if op.type.endswith("backward.default") else op.args[:1]
+            found.append((op.type, [program.var(a.name).dtype for a in acts],
+                          [program.var(n).dtype for n in op.outputs if n is not None]))
+    return found
+
+
+def test_batch_norm_reads_bf16_activations_and_keeps_fp32_statistics():
+    """Mixed rule (Paddle's `_keep_fp32_input`, torch's CPU autocast): batch norm between two bf16 convs runs on
+    the bf16 activation with float32 weights, statistics and parameter gradients; no cast around it."""
+    trainer, entry = amp_trainer("cnn", "adamw")
+    args, kwargs = entry.make_batch(torch.Generator().manual_seed(1))
+    trainer.step(*args, **kwargs)
+    found = batch_norm_dtypes(trainer.program)
+    assert {t for t, _, _ in found} == set(BATCH_NORMS)
+    for op_type, acts, outputs in found:
+        assert set(acts) == {"bfloat16"} and outputs[0] == "bfloat16", op_type
+        assert set(outputs[1:]) == {"float32"}, f"{op_type}: statistics / parameter gradients stay fp32"
+    with _RecordDtypes() as recorded:  # aten really runs them so (its CPU kernels take the mixed dtypes)
+        trainer.step(*args, **kwargs)
+    ran = [dtypes for name, dtypes in recorded.calls if name in BATCH_NORMS]
+    assert ran and all(d == {torch.bfloat16, torch.float32} for d in ran)
+    black, _ = amp_trainer("cnn", "adamw", custom_black_list=["batch_norm"])  # the float32 batch norm on request
+    black.step(*args, **kwargs)
+    assert all(set(acts) | set(outputs) == {"float32"} for _, acts, outputs in batch_norm_dtypes(black.program))
+    assert black.report().stats["amp"]["casts"] > trainer.report().stats["amp"]["casts"]
+
+
 @pytest.mark.parametrize("configs, match", [
     ({"custom_white_list": ["not_an_op"]}, "custom_white_list: 'not_an_op'"),
     ({"custom_white_list": ["softmax"], "custom_black_list": ["softmax"]}, "both name"),
