@@ -39,6 +39,7 @@ class BlockCopies:
     to_reference: dict[str, dict[str, str]] = field(default_factory=dict)  # instance: its name → reference's
     from_reference: dict[str, dict[str, str]] = field(default_factory=dict)  # instance: reference's name → its
     own_names: dict[str, set[str]] = field(default_factory=dict)  # names the instance's ops define or own
+    ops: dict[str, list[Op]] = field(default_factory=dict)  # instance → its ops when the copies were found
 
     def members(self, reference: str) -> list[str]:
         """The instances (reference first) sharing `reference`'s plan."""
@@ -147,6 +148,7 @@ def _add_group(found: BlockCopies, instances: dict[str, list[tuple[int, Op]]], r
         entries = instances[instance]
         found.reference[instance] = reference
         found.slots[instance] = [position for position, _ in entries]
+        found.ops[instance] = [op for _, op in entries]
         found.from_reference[instance] = names
         found.to_reference[instance] = {b: a for a, b in names.items()}
         own = instance + "."

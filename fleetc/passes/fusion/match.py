@@ -75,11 +75,18 @@ class BlockIndex(UseDef):
         ops = [op for op in self.by_forward.get(forward_name, []) if self.live(op)]
         if self.watch:
             self.watch.ops(ops)
-            for op in ops:
-                for name in op.defined:
-                    self.watch.name(self, name)
-        return sorted((op for op in ops if any(n in self.fetched or self.readers.get(n) or self.var(n).persistable
-                                               for n in op.defined)), key=lambda op: self.position[op.name])
+        return sorted((op for op in ops if any(self._needed_fact(n) for n in op.defined)),
+                      key=lambda op: self.position[op.name])
+
+    def needed(self, name: str) -> bool:
+        """Whether anything still needs the value `name`: a fetch, a reader, or the state it is part of."""
+        return name in self.fetched or bool(self.readers.get(name)) or self.program.var(name, self.block.idx).persistable
+
+    def _needed_fact(self, name: str) -> bool:
+        needed = self.needed(name)
+        if self.watch:
+            self.watch.fact(name, needed)
+        return needed
 
     def fuse(self, group: list[Op], fused: Op, at: int, rename: dict[str, str]) -> None:
         """Put `fused` in slot `at`, empty the members' slots, and point readers of renamed values at the new ones."""
