@@ -13,13 +13,27 @@ from __future__ import annotations
 import sys
 
 import pytest
-from helpers.scaling import STRATEGIES, encoder_and_batch, stage_visits
+from helpers.scaling import (
+    STRATEGIES,
+    all_passes_strategy,
+    encoder_and_batch,
+    stage_visits,
+)
 
 from fleetc.capture import capture_train_program
 from fleetc.errors import PassStrategyError
+from fleetc.ir.block_copies import REUSE_ENV
+from fleetc.ir.liveness import estimate_memory
+from fleetc.ir.visits import count_visits
+from fleetc.passes.base import PassReport
+from fleetc.passes.fusion import dropout, elementwise, gemm
+from fleetc.passes.manager import History, PassManager, PassRecord
+from fleetc.passes.order import ordered_passes
+from fleetc.passes.precision import amp
 from fleetc.passes.recompute import Recompute, RecomputePolicy, auto, checkpoints
 from fleetc.passes.recompute.auto import budget_plan, min_cut_plan
 from fleetc.passes.recompute.plan import forward_region
+from fleetc.strategy import resolve_conflicts, resolve_strategy
 
 LIMIT = 2.2
 SHALLOW, DEEP = 16, 32
@@ -101,17 +115,6 @@ def _matching_work(depth: int, reuse: bool, monkeypatch) -> dict[str, int]:
     """Op/Var visits inside the named fusions' matchers, and fake-tensor inputs built by AMP's dtype inference, in
     one run of the pass order with every fusion, recompute "auto" and AMP (the work reuse of repeated blocks saves;
     the rest of each pass is measured by test_every_stage_grows_linearly)."""
-    from fleetc.ir.block_copies import REUSE_ENV
-    from fleetc.ir.visits import count_visits
-    from fleetc.passes.fusion import dropout, elementwise, gemm
-    from fleetc.ir.liveness import estimate_memory
-    from fleetc.passes.base import PassReport
-    from fleetc.passes.manager import History, PassManager, PassRecord
-    from fleetc.passes.order import ordered_passes
-    from fleetc.passes.precision import amp
-    from fleetc.strategy import resolve_conflicts, resolve_strategy
-    from helpers.scaling import all_passes_strategy
-
     monkeypatch.setenv(REUSE_ENV, "1" if reuse else "0")
     model, optimizer, batch = encoder_and_batch(depth)
     program = capture_train_program(model, None, optimizer, batch, {})
@@ -145,7 +148,6 @@ def test_reuse_of_repeated_blocks_makes_matching_work_independent_of_depth(monke
     the difference)."""
     reused = {depth: _matching_work(depth, True, monkeypatch) for depth in (4, 8)}
     plain = {depth: _matching_work(depth, False, monkeypatch) for depth in (4, 8)}
-    print(reused, plain)
     for key in ("matchers", "amp_fakes"):
         assert reused[8][key] <= 1.25 * reused[4][key], (key, reused)
         assert plain[8][key] >= 1.6 * plain[4][key], (key, plain)

@@ -213,7 +213,7 @@ def _fuse_block(index: BlockIndex, report: PassReport, pass_name: str, match_for
         elif plans is None:
             fusion = match_forward(index, op)
         else:
-            fusion = plans.ask(index, i, op, "forward", lambda: match_forward(index, op))
+            fusion = plans.ask(index, i, op, "forward", lambda op=op: match_forward(index, op))
         if fusion is not None and _apply(index, fusion, pass_name, plans) is None:
             fused_forward.append(fusion.fused)
             block_of[fusion.fused.name] = block.idx

@@ -34,7 +34,7 @@ _UNTRANSLATABLE = ("untranslatable",)
 class Watch:
     """Whether a matcher, while it ran on one block's op, looked at anything outside that block."""
 
-    def __init__(self, plans: "FusionPlans", instance: str):
+    def __init__(self, plans: FusionPlans, instance: str):
         self.plans, self.instance = plans, instance
         self.touched = False
         self.facts: list[tuple[str, bool]] = []  # (reference's name, whether the value is needed)
@@ -225,6 +225,6 @@ def _op_form(op: Op, names: dict[str, str]) -> tuple:
 def _renamed(value: tuple, names: dict[str, str]) -> tuple:
     """`(args, kwargs, outputs)` with Refs and output names mapped through `names` (KeyError when one is missing)."""
     args, kwargs, outputs = value
-    rename = lambda ref: Ref(names[ref.name])  # noqa: E731
+    rename = lambda ref: Ref(names[ref.name])
     return (map_refs(args, rename), map_refs(kwargs, rename),
             [None if name is None else names[name] for name in outputs])

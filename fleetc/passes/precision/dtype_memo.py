@@ -12,8 +12,9 @@ decisions themselves (white/black lists, black Vars, fp16_guard regions) are sti
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from fleetc.ir.block_copies import reuse_enabled
 from fleetc.ir.program import Op, map_refs
@@ -44,7 +45,7 @@ class DtypeMemo:
         """`run()`'s answer for `op` with these arguments, from the memo when an identical op asked before."""
         if not self.enabled:
             return run()
-        describe_ref = lambda ref: describe(ref.name)  # noqa: E731
+        describe_ref = lambda ref: describe(ref.name)
         key = repr((op.type, map_refs(args, describe_ref), map_refs(kwargs, describe_ref)))
         block = _instance(op.module_path)
         if key in self.answers:
