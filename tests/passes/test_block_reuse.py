@@ -14,7 +14,7 @@ from zoo import TinyGPT, _gpt_batch, _lm_loss
 
 import fleetc
 from fleetc.capture import capture_train_program
-from fleetc.ir.block_copies import REUSE_ENV, find_block_copies
+from fleetc.ir.block_copies import REUSE_ENV, find_block_copies, reuse_enabled
 from fleetc.ir.program import OpRole
 
 FUSION_PASSES = ("fuse_gemm_epilogue", "fuse_dropout_add", "fuse_elewise_add_act")
@@ -132,3 +132,12 @@ def test_copies_are_verified_op_by_op(change):
     after = find_block_copies(program)
     assert after.reference.get("blocks.2") != after.reference["blocks.1"]
     assert after.reference["blocks.3"] == after.reference["blocks.1"]  # the others still share one plan
+
+
+def test_the_switch_chooses_who_reuses(monkeypatch):
+    monkeypatch.delenv(REUSE_ENV, raising=False)
+    assert reuse_enabled("amp") and not reuse_enabled("fusion")  # fusion replay is opt-in (docs/ir.md says why)
+    for value, amp, fusion in (("0", False, False), ("1", True, True), ("fusion", False, True),
+                               ("fusion,amp", True, True)):
+        monkeypatch.setenv(REUSE_ENV, value)
+        assert (reuse_enabled("amp"), reuse_enabled("fusion")) == (amp, fusion), value

@@ -175,7 +175,7 @@ def fuse_forward_and_backward(program: Program, report: PassReport, pass_name: s
         if "forward_op" in op.attrs:
             by_forward.setdefault(op.attrs["forward_op"], []).append(op)
     for block in program.blocks:
-        copies = find_block_copies(program) if block.idx == 0 and reuse_enabled() else None
+        copies = find_block_copies(program) if block.idx == 0 and reuse_enabled("fusion") else None
         plans = FusionPlans(copies) if copies and copies.reference else None
         groups = _fuse_block(BlockIndex(program, block, by_forward, names), report, pass_name, match_forward,
                              match_backward, block_of, plans)
