@@ -88,7 +88,7 @@ def _stack():
 
 def test_a_block_whose_surroundings_differ_is_matched_on_its_own(monkeypatch):
     """The gemm matcher fuses each block's last Linear with the ReLU after the block, except in the last block,
-    which no ReLU follows: that block cannot take the others' answer, and is matched as without reuse."""
+    which no ReLU follows: that block cannot take the others' answer there, gives its own, and follows it."""
     strategy = fleetc.DistributedStrategy()
     strategy.build_strategy.fuse_gemm_epilogue = True
     reused, reused_losses = _train(_stack, monkeypatch, reuse=True, strategy=strategy)
@@ -96,7 +96,7 @@ def test_a_block_whose_surroundings_differ_is_matched_on_its_own(monkeypatch):
     assert str(reused.program) == str(plain.program)
     assert all(torch.equal(a, b) for a, b in zip(reused_losses, plain_losses))
     lines = [line for line in reused.report().repeated_blocks if line.startswith("fuse_gemm_epilogue: ")]
-    assert len(lines) == 1 and "matched on their own: blocks.3" in lines[0], lines
+    assert len(lines) == 1 and "followed those: blocks.3)" in lines[0], lines
     assert _reused(reused, "fuse_gemm_epilogue")[0][0] >= 1
     activations = [op.args[4] for op in reused.program.global_block.ops if op.type == "fleetc.fused_gemm_epilogue"]
     assert activations.count("relu") == 3 and activations.count("tanh") == 4, activations

@@ -13,6 +13,8 @@ What keeps a reused answer equal to the one matching would give:
   reused: every copy asks the matcher itself, and a copy whose answer differs from the recorded one leaves reuse.
   Where an answer rests only on whether a value is still needed (`BlockIndex.needed`, which outside readers can
   decide), that yes/no is recorded and checked in the copy instead, and the copy asks the matcher when it differs;
+  a copy whose answer then differs from the record follows a history of its own from there (`paths`): its later
+  questions share answers only with copies that gave the same answers where it parted;
 - every answer is applied for real (`apply_fusion` checks the copy's own readers), and a copy whose applying
   succeeds where the recorder's failed, or the reverse, leaves reuse;
 - a fusion that takes ops of a block from outside it, or renames values other blocks read, puts the blocks it
@@ -85,6 +87,7 @@ class FusionPlans:
         self.reused: Counter = Counter()  # instance → answers taken from the record
         self.matched: Counter = Counter()  # instance → answers the matcher gave
         self.pending: tuple[str, tuple] | None = None
+        self.paths: dict[str, tuple] = {}  # instance → the answers where it parted from the first record, in order
 
     def ask(self, index: Any, slot: int, op: Op, question: str, matcher) -> Any:
         """The matcher's answer for `op` at `slot` (None, a Fusion, or a reason): recorded, reused or matched."""
@@ -97,7 +100,9 @@ class FusionPlans:
             return matcher()
         relative = self.relative[slot][1]
         self.asked[(instance, question, relative)] += 1
-        key = (self.copies.reference[instance], question, relative, self.asked[(instance, question, relative)])
+        question_key = (question, relative, self.asked[(instance, question, relative)])
+        path = self.paths.get(instance, ())
+        key = (self.copies.reference[instance], path, *question_key)
         recorded = self.answers.get(key)
         if recorded is not None and not recorded.rematch and self._facts_hold(index, recorded.facts, instance):
             answer = self._from_reference(index, recorded.form, instance)
@@ -114,11 +119,17 @@ class FusionPlans:
             watch, index.watch = index.watch, None
         self.matched[instance] += 1
         form = self._to_reference(index, answer, instance)
+        if recorded is not None and form != recorded.form:
+            if form is _UNTRANSLATABLE:
+                self.diverged.add(instance)
+                return answer
+            # another answer than the record's (a yes/no it rested on differs here): from now on this copy follows
+            # the history of the copies that gave this same answer here
+            path = self.paths[instance] = (*path, (*question_key, repr(form)))
+            key = (self.copies.reference[instance], path, *question_key)
+            recorded = self.answers.get(key)
         if recorded is None:
             self.answers[key] = _Answer(form, watch.touched or form is _UNTRANSLATABLE, tuple(watch.facts))
-        elif form != recorded.form:
-            self.diverged.add(instance)
-            return answer
         self.pending = (instance, key)
         return answer
 
@@ -212,6 +223,10 @@ class FusionPlans:
                     f"({answers[0]} matcher answers matched, {answers[1]} reused)")
             if left:
                 line += f" ({len(left)} matched on their own: {', '.join(left[:3])}{'…' if len(left) > 3 else ''})"
+            parted = [m for m in members if self.paths.get(m) and m not in self.diverged]
+            if parted:
+                line += (f" ({len(parted)} gave answers of their own at some questions and followed those: "
+                         f"{', '.join(parted[:3])}{'…' if len(parted) > 3 else ''})")
             result.append(line)
         return result
 
