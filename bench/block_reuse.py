@@ -13,24 +13,23 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from helpers.scaling import all_passes_strategy, encoder_and_batch  # noqa: E402
+from helpers.scaling import all_passes_strategy, encoder_and_batch
 
-from fleetc.capture import capture_train_program  # noqa: E402
-from fleetc.ir.block_copies import REUSE_ENV  # noqa: E402
-from fleetc.ir.liveness import estimate_memory  # noqa: E402
-from fleetc.ir.program import Program  # noqa: E402
-from fleetc.ir.visits import count_visits  # noqa: E402
-from fleetc.passes.base import PassReport  # noqa: E402
-from fleetc.passes.instruments import VisitCountInstrument  # noqa: E402
-from fleetc.passes.manager import History, PassManager, PassRecord  # noqa: E402
-from fleetc.passes.order import ordered_passes  # noqa: E402
-from fleetc.strategy import resolve_conflicts, resolve_strategy  # noqa: E402
+from fleetc.capture import capture_train_program
+from fleetc.ir.block_copies import REUSE_ENV
+from fleetc.ir.liveness import estimate_memory
+from fleetc.ir.program import Program
+from fleetc.ir.visits import count_visits
+from fleetc.passes.base import PassReport
+from fleetc.passes.instruments import VisitCountInstrument
+from fleetc.passes.manager import History, PassManager, PassRecord
+from fleetc.passes.order import ordered_passes
+from fleetc.strategy import resolve_conflicts, resolve_strategy
 
 FUSIONS = ("fuse_bn_add_act", "fuse_gemm_epilogue", "fuse_dropout_add", "fuse_elewise_add_act")
 

@@ -13,13 +13,27 @@ from __future__ import annotations
 import sys
 
 import pytest
-from helpers.scaling import STRATEGIES, encoder_and_batch, stage_visits
+from helpers.scaling import (
+    STRATEGIES,
+    all_passes_strategy,
+    encoder_and_batch,
+    stage_visits,
+)
 
 from fleetc.capture import capture_train_program
 from fleetc.errors import PassStrategyError
+from fleetc.ir.block_copies import REUSE_ENV
+from fleetc.ir.liveness import estimate_memory
+from fleetc.ir.visits import count_visits
+from fleetc.passes.base import PassReport
+from fleetc.passes.fusion import dropout, elementwise, gemm
+from fleetc.passes.manager import History, PassManager, PassRecord
+from fleetc.passes.order import ordered_passes
+from fleetc.passes.precision import amp
 from fleetc.passes.recompute import Recompute, RecomputePolicy, auto, checkpoints
 from fleetc.passes.recompute.auto import budget_plan, min_cut_plan
 from fleetc.passes.recompute.plan import forward_region
+from fleetc.strategy import resolve_conflicts, resolve_strategy
 
 LIMIT = 2.2
 SHALLOW, DEEP = 16, 32
@@ -95,3 +109,46 @@ def test_memory_budget_search_sweeps_grow_linearly(monkeypatch):
     shallow, deep = _budget_search_sweeps(4, monkeypatch), _budget_search_sweeps(8, monkeypatch)
     # before candidates skipped the unused-checkpoint analysis: 33 → 87 sweeps (x2.6, quadratic in blocks)
     assert 1.5 < deep / shallow <= LIMIT, (shallow, deep)
+
+
+def _matching_work(depth: int, reuse: bool, monkeypatch) -> dict[str, int]:
+    """Op/Var visits inside the named fusions' matchers, and fake-tensor inputs built by AMP's dtype inference, in
+    one run of the pass order with every fusion, recompute "auto" and AMP (the work reuse of repeated blocks saves;
+    the rest of each pass is measured by test_every_stage_grows_linearly)."""
+    monkeypatch.setenv(REUSE_ENV, "1" if reuse else "0")
+    model, optimizer, batch = encoder_and_batch(depth)
+    program = capture_train_program(model, None, optimizer, batch, {})
+    strategy = all_passes_strategy()
+    strategy.amp = True
+    config, _ = resolve_conflicts(resolve_strategy(strategy))
+    work = {"matchers": 0, "amp_fakes": 0}
+    with count_visits() as counter, monkeypatch.context() as patch:
+        def measured(fn, key):
+            def wrapper(*args, **kwargs):
+                start = counter.total
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    work[key] += counter.total - start if key == "matchers" else 1
+            return wrapper
+
+        for module in (gemm, elementwise, dropout):
+            patch.setattr(module, "_match_forward", measured(module._match_forward, "matchers"))
+            patch.setattr(module, "_match_backward", measured(module._match_backward, "matchers"))
+        patch.setattr(amp._CastRewriter, "fake", measured(amp._CastRewriter.fake, "amp_fakes"))
+        history = History([PassRecord("capture", program, PassReport("capture"), 0.0, estimate_memory(program))])
+        PassManager(ordered_passes(config)).run(program, config, history)
+    return work
+
+
+@pytest.mark.slow
+def test_reuse_of_repeated_blocks_makes_matching_work_independent_of_depth(monkeypatch):
+    """With reuse, the fusion matchers and AMP's inference run about once per distinct block: 4 → 8 layers (2 → 6
+    identical middle layers) leaves their work nearly unchanged; without it, the work doubles (the measure sees
+    the difference)."""
+    reused = {depth: _matching_work(depth, True, monkeypatch) for depth in (4, 8)}
+    plain = {depth: _matching_work(depth, False, monkeypatch) for depth in (4, 8)}
+    for key in ("matchers", "amp_fakes"):
+        assert reused[8][key] <= 1.25 * reused[4][key], (key, reused)
+        assert plain[8][key] >= 1.6 * plain[4][key], (key, plain)
+        assert reused[8][key] < plain[8][key] / 2, (key, reused, plain)

@@ -9,8 +9,8 @@ one-to-one correspondence of names. A block that matches no earlier block is a r
 copy is left out (its pass matches it as usual). The walk is done by each pass that reuses plans, on the Program
 it is given: earlier passes may have changed any block.
 
-Reuse is on by default; `FLEETC_BLOCK_REUSE=0` turns it off, so tests can assert that a Program built with reuse
-prints exactly as one built without it.
+`FLEETC_BLOCK_REUSE` chooses who reuses (`reuse_enabled`): `1` all, `0` none, or a list (`fusion,amp`); by default
+only AMP. Tests assert that a Program built with reuse prints exactly as one built without it.
 """
 from __future__ import annotations
 
@@ -22,11 +22,19 @@ from fleetc.ir.program import Op, Program, Ref
 from fleetc.ir.repeated_blocks import _instance
 
 REUSE_ENV = "FLEETC_BLOCK_REUSE"
+REUSERS = ("amp", "fusion")
+# AMP's memo saves most of its pass's time; replaying fusion answers costs more than the matchers it skips (the
+# copies are verified in each pass, bench/README.md), so it is opt-in until that verification is kept across passes.
+DEFAULT_REUSERS = ("amp",)
 
 
-def reuse_enabled() -> bool:
-    """Whether passes may reuse one block's plan for its copies (`FLEETC_BLOCK_REUSE=0` turns it off)."""
-    return os.environ.get(REUSE_ENV, "1") != "0"
+def reuse_enabled(reuser: str) -> bool:
+    """Whether `reuser` ("amp" or "fusion") reuses plans across identical blocks: `FLEETC_BLOCK_REUSE` is `0` (none),
+    `1` (all) or a comma-separated list of reusers; unset, only AMP does."""
+    value = os.environ.get(REUSE_ENV)
+    if value is None:
+        return reuser in DEFAULT_REUSERS
+    return value == "1" or reuser in value.split(",")
 
 
 @dataclass
@@ -39,6 +47,7 @@ class BlockCopies:
     to_reference: dict[str, dict[str, str]] = field(default_factory=dict)  # instance: its name → reference's
     from_reference: dict[str, dict[str, str]] = field(default_factory=dict)  # instance: reference's name → its
     own_names: dict[str, set[str]] = field(default_factory=dict)  # names the instance's ops define or own
+    ops: dict[str, list[Op]] = field(default_factory=dict)  # instance → its ops when the copies were found
 
     def members(self, reference: str) -> list[str]:
         """The instances (reference first) sharing `reference`'s plan."""
@@ -147,6 +156,7 @@ def _add_group(found: BlockCopies, instances: dict[str, list[tuple[int, Op]]], r
         entries = instances[instance]
         found.reference[instance] = reference
         found.slots[instance] = [position for position, _ in entries]
+        found.ops[instance] = [op for _, op in entries]
         found.from_reference[instance] = names
         found.to_reference[instance] = {b: a for a, b in names.items()}
         own = instance + "."

@@ -14,7 +14,7 @@ from zoo import TinyGPT, _gpt_batch, _lm_loss
 
 import fleetc
 from fleetc.capture import capture_train_program
-from fleetc.ir.block_copies import REUSE_ENV, find_block_copies
+from fleetc.ir.block_copies import REUSE_ENV, find_block_copies, reuse_enabled
 from fleetc.ir.program import OpRole
 
 FUSION_PASSES = ("fuse_gemm_epilogue", "fuse_dropout_add", "fuse_elewise_add_act")
@@ -88,7 +88,7 @@ def _stack():
 
 def test_a_block_whose_surroundings_differ_is_matched_on_its_own(monkeypatch):
     """The gemm matcher fuses each block's last Linear with the ReLU after the block, except in the last block,
-    which no ReLU follows: that block cannot take the others' answer, and is matched as without reuse."""
+    which no ReLU follows: that block cannot take the others' answer there, gives its own, and follows it."""
     strategy = fleetc.DistributedStrategy()
     strategy.build_strategy.fuse_gemm_epilogue = True
     reused, reused_losses = _train(_stack, monkeypatch, reuse=True, strategy=strategy)
@@ -96,7 +96,7 @@ def test_a_block_whose_surroundings_differ_is_matched_on_its_own(monkeypatch):
     assert str(reused.program) == str(plain.program)
     assert all(torch.equal(a, b) for a, b in zip(reused_losses, plain_losses))
     lines = [line for line in reused.report().repeated_blocks if line.startswith("fuse_gemm_epilogue: ")]
-    assert len(lines) == 1 and "matched on their own: blocks.3" in lines[0], lines
+    assert len(lines) == 1 and "followed those: blocks.3)" in lines[0], lines
     assert _reused(reused, "fuse_gemm_epilogue")[0][0] >= 1
     activations = [op.args[4] for op in reused.program.global_block.ops if op.type == "fleetc.fused_gemm_epilogue"]
     assert activations.count("relu") == 3 and activations.count("tanh") == 4, activations
@@ -132,3 +132,12 @@ def test_copies_are_verified_op_by_op(change):
     after = find_block_copies(program)
     assert after.reference.get("blocks.2") != after.reference["blocks.1"]
     assert after.reference["blocks.3"] == after.reference["blocks.1"]  # the others still share one plan
+
+
+def test_the_switch_chooses_who_reuses(monkeypatch):
+    monkeypatch.delenv(REUSE_ENV, raising=False)
+    assert reuse_enabled("amp") and not reuse_enabled("fusion")  # fusion replay is opt-in (docs/ir.md says why)
+    for value, amp, fusion in (("0", False, False), ("1", True, True), ("fusion", False, True),
+                               ("fusion,amp", True, True)):
+        monkeypatch.setenv(REUSE_ENV, value)
+        assert (reuse_enabled("amp"), reuse_enabled("fusion")) == (amp, fusion), value

@@ -75,11 +75,18 @@ class BlockIndex(UseDef):
         ops = [op for op in self.by_forward.get(forward_name, []) if self.live(op)]
         if self.watch:
             self.watch.ops(ops)
-            for op in ops:
-                for name in op.defined:
-                    self.watch.name(self, name)
-        return sorted((op for op in ops if any(n in self.fetched or self.readers.get(n) or self.var(n).persistable
-                                               for n in op.defined)), key=lambda op: self.position[op.name])
+        return sorted((op for op in ops if any(self._needed_fact(n) for n in op.defined)),
+                      key=lambda op: self.position[op.name])
+
+    def needed(self, name: str) -> bool:
+        """Whether anything still needs the value `name`: a fetch, a reader, or the state it is part of."""
+        return name in self.fetched or bool(self.readers.get(name)) or self.program.var(name, self.block.idx).persistable
+
+    def _needed_fact(self, name: str) -> bool:
+        needed = self.needed(name)
+        if self.watch:
+            self.watch.fact(name, needed)
+        return needed
 
     def fuse(self, group: list[Op], fused: Op, at: int, rename: dict[str, str]) -> None:
         """Put `fused` in slot `at`, empty the members' slots, and point readers of renamed values at the new ones."""
@@ -168,7 +175,7 @@ def fuse_forward_and_backward(program: Program, report: PassReport, pass_name: s
         if "forward_op" in op.attrs:
             by_forward.setdefault(op.attrs["forward_op"], []).append(op)
     for block in program.blocks:
-        copies = find_block_copies(program) if block.idx == 0 and reuse_enabled() else None
+        copies = find_block_copies(program) if block.idx == 0 and reuse_enabled("fusion") else None
         plans = FusionPlans(copies) if copies and copies.reference else None
         groups = _fuse_block(BlockIndex(program, block, by_forward, names), report, pass_name, match_forward,
                              match_backward, block_of, plans)
@@ -206,7 +213,7 @@ def _fuse_block(index: BlockIndex, report: PassReport, pass_name: str, match_for
         elif plans is None:
             fusion = match_forward(index, op)
         else:
-            fusion = plans.ask(index, i, op, "forward", lambda: match_forward(index, op))
+            fusion = plans.ask(index, i, op, "forward", lambda op=op: match_forward(index, op))
         if fusion is not None and _apply(index, fusion, pass_name, plans) is None:
             fused_forward.append(fusion.fused)
             block_of[fusion.fused.name] = block.idx

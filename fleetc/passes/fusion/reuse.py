@@ -10,7 +10,11 @@ What keeps a reused answer equal to the one matching would give:
 - copies are verified op by op against the reference before the pass (`correspond`);
 - while the matcher runs, `Watch` notes whether it looked outside the block: at an op of another block, at a value
   not made or owned by the block, at a fetched value, or at a value some other block reads. Such answers are not
-  reused: every copy asks the matcher itself, and a copy whose answer differs from the recorded one leaves reuse;
+  reused: every copy asks the matcher itself, and a copy whose answer differs from the recorded one leaves reuse.
+  Where an answer rests only on whether a value is still needed (`BlockIndex.needed`, which outside readers can
+  decide), that yes/no is recorded and checked in the copy instead, and the copy asks the matcher when it differs;
+  a copy whose answer then differs from the record follows a history of its own from there (`paths`): its later
+  questions share answers only with copies that gave the same answers where it parted;
 - every answer is applied for real (`apply_fusion` checks the copy's own readers), and a copy whose applying
   succeeds where the recorder's failed, or the reverse, leaves reuse;
 - a fusion that takes ops of a block from outside it, or renames values other blocks read, puts the blocks it
@@ -32,9 +36,10 @@ _UNTRANSLATABLE = ("untranslatable",)
 class Watch:
     """Whether a matcher, while it ran on one block's op, looked at anything outside that block."""
 
-    def __init__(self, plans: "FusionPlans", instance: str):
+    def __init__(self, plans: FusionPlans, instance: str):
         self.plans, self.instance = plans, instance
         self.touched = False
+        self.facts: list[tuple[str, bool]] = []  # (reference's name, whether the value is needed)
 
     def name(self, index: Any, name: str) -> None:
         """A value the matcher asked about: outside the block unless the block makes or owns it, nothing outside
@@ -42,6 +47,15 @@ class Watch:
         if (name not in self.plans.copies.own_names[self.instance] or name in index.fetched
                 or any(self.plans.block_of.get(r.name) != self.instance for r in index.readers.get(name, ()))):
             self.touched = True
+
+    def fact(self, name: str, value: bool) -> None:
+        """A yes/no the answer rests on that may depend on readers outside the block (whether a value is still
+        needed): recorded, and checked in each copy before the answer is reused there."""
+        reference_name = self.plans.copies.to_reference[self.instance].get(name)
+        if reference_name is None:
+            self.touched = True
+        else:
+            self.facts.append((reference_name, value))
 
     def ops(self, ops: list[Op | None]) -> None:
         """Ops the matcher was handed: outside the block unless each is one of the block's."""
@@ -55,6 +69,7 @@ class _Answer:
 
     form: tuple
     rematch: bool
+    facts: tuple[tuple[str, bool], ...] = ()
     outcome: bool | None = None
 
 
@@ -72,6 +87,7 @@ class FusionPlans:
         self.reused: Counter = Counter()  # instance → answers taken from the record
         self.matched: Counter = Counter()  # instance → answers the matcher gave
         self.pending: tuple[str, tuple] | None = None
+        self.paths: dict[str, tuple] = {}  # instance → the answers where it parted from the first record, in order
 
     def ask(self, index: Any, slot: int, op: Op, question: str, matcher) -> Any:
         """The matcher's answer for `op` at `slot` (None, a Fusion, or a reason): recorded, reused or matched."""
@@ -84,9 +100,11 @@ class FusionPlans:
             return matcher()
         relative = self.relative[slot][1]
         self.asked[(instance, question, relative)] += 1
-        key = (self.copies.reference[instance], question, relative, self.asked[(instance, question, relative)])
+        question_key = (question, relative, self.asked[(instance, question, relative)])
+        path = self.paths.get(instance, ())
+        key = (self.copies.reference[instance], path, *question_key)
         recorded = self.answers.get(key)
-        if recorded is not None and not recorded.rematch:
+        if recorded is not None and not recorded.rematch and self._facts_hold(index, recorded.facts, instance):
             answer = self._from_reference(index, recorded.form, instance)
             if answer is not _UNTRANSLATABLE:
                 self.reused[instance] += 1
@@ -101,13 +119,23 @@ class FusionPlans:
             watch, index.watch = index.watch, None
         self.matched[instance] += 1
         form = self._to_reference(index, answer, instance)
+        if recorded is not None and form != recorded.form:
+            if form is _UNTRANSLATABLE:
+                self.diverged.add(instance)
+                return answer
+            # another answer than the record's (a yes/no it rested on differs here): from now on this copy follows
+            # the history of the copies that gave this same answer here
+            path = self.paths[instance] = (*path, (*question_key, repr(form)))
+            key = (self.copies.reference[instance], path, *question_key)
+            recorded = self.answers.get(key)
         if recorded is None:
-            self.answers[key] = _Answer(form, rematch=watch.touched or form is _UNTRANSLATABLE)
-        elif form != recorded.form:
-            self.diverged.add(instance)
-            return answer
+            self.answers[key] = _Answer(form, watch.touched or form is _UNTRANSLATABLE, tuple(watch.facts))
         self.pending = (instance, key)
         return answer
+
+    def _facts_hold(self, index: Any, facts: tuple, instance: str) -> bool:
+        names = self.copies.from_reference[instance]
+        return all(name in names and index.needed(names[name]) == value for name, value in facts)
 
     def before_apply(self, index: Any, fusion: Any) -> None:
         """Put out of reuse the blocks this fusion reaches into from outside: group members of another block,
@@ -140,9 +168,11 @@ class FusionPlans:
         """The answer in the reference block's names and the block's relative op positions."""
         if answer is None:
             return ("none",)
-        if isinstance(answer, str):
-            return _UNTRANSLATABLE  # reasons are matched again each time (they are cheap, and name things)
         names = self.copies.to_reference[instance]
+        if isinstance(answer, str):  # why a backward group cannot fuse: reusable unless it names the block's things
+            block_ops = (op.name for op in self.copies.ops[instance])
+            named = any(n in answer for n in names) or any(n in answer for n in block_ops)
+            return _UNTRANSLATABLE if named else ("reason", answer)
         positions = []
         for op in answer.group:
             at = index.position.get(op.name)
@@ -163,6 +193,8 @@ class FusionPlans:
 
         if form[0] == "none":
             return None
+        if form[0] == "reason":
+            return form[1]
         _, positions, name, op_type, args, kwargs, outputs, rename = form
         slots = self.copies.slots[instance]
         group = []
@@ -191,6 +223,10 @@ class FusionPlans:
                     f"({answers[0]} matcher answers matched, {answers[1]} reused)")
             if left:
                 line += f" ({len(left)} matched on their own: {', '.join(left[:3])}{'…' if len(left) > 3 else ''})"
+            parted = [m for m in members if self.paths.get(m) and m not in self.diverged]
+            if parted:
+                line += (f" ({len(parted)} gave answers of their own at some questions and followed those: "
+                         f"{', '.join(parted[:3])}{'…' if len(parted) > 3 else ''})")
             result.append(line)
         return result
 
@@ -204,6 +240,6 @@ def _op_form(op: Op, names: dict[str, str]) -> tuple:
 def _renamed(value: tuple, names: dict[str, str]) -> tuple:
     """`(args, kwargs, outputs)` with Refs and output names mapped through `names` (KeyError when one is missing)."""
     args, kwargs, outputs = value
-    rename = lambda ref: Ref(names[ref.name])  # noqa: E731
+    rename = lambda ref: Ref(names[ref.name])
     return (map_refs(args, rename), map_refs(kwargs, rename),
             [None if name is None else names[name] for name in outputs])

@@ -125,10 +125,10 @@ class _CastRewriter:
     def infer(self, op: Op, dtypes: dict[str, str], args: tuple, kwargs: dict) -> list | None:
         """Output dtypes of `op` (None for a non-tensor output) with its inputs in `dtypes` (run on fake tensors),
         or None if it rejects them; answered by an identical earlier op when there is one (dtype_memo.py)."""
-        dtype_of = lambda name: dtypes.get(name, self.program.var(name).dtype)  # noqa: E731
+        dtype_of = lambda name: dtypes.get(name, self.program.var(name).dtype)
 
         def run() -> list | None:
-            to_fake = lambda r: self.fake(r.name, dtype_of(r.name))  # noqa: E731
+            to_fake = lambda r: self.fake(r.name, dtype_of(r.name))
             try:
                 with self.mode:
                     fake_args = map_refs(args, to_fake)

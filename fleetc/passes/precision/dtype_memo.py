@@ -7,13 +7,15 @@ op that agrees on all of these: the same layer in each copy of a repeated block,
 The key holds every one of those inputs in full, so a reused answer is the one inference would give; the cast
 decisions themselves (white/black lists, black Vars, fp16_guard regions) are still taken op by op.
 
-`FLEETC_BLOCK_REUSE=0` turns the memo off (tests compare the Programs built both ways).
+On by default; `FLEETC_BLOCK_REUSE=0` turns it off (fleetc.ir.block_copies.reuse_enabled; tests compare the
+Programs built both ways).
 """
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from fleetc.ir.block_copies import reuse_enabled
 from fleetc.ir.program import Op, map_refs
@@ -34,7 +36,7 @@ class DtypeMemo:
     """Output dtypes per (op type, arguments with each Var as its `Input`); counts per repeated block."""
 
     def __init__(self) -> None:
-        self.enabled = reuse_enabled()
+        self.enabled = reuse_enabled("amp")
         self.answers: dict[str, list | None] = {}
         self.hits: Counter = Counter()  # (prefix, instance) → inferences answered from the memo
         self.misses: Counter = Counter()  # (prefix, instance) → inferences run
@@ -44,7 +46,7 @@ class DtypeMemo:
         """`run()`'s answer for `op` with these arguments, from the memo when an identical op asked before."""
         if not self.enabled:
             return run()
-        describe_ref = lambda ref: describe(ref.name)  # noqa: E731
+        describe_ref = lambda ref: describe(ref.name)
         key = repr((op.type, map_refs(args, describe_ref), map_refs(kwargs, describe_ref)))
         block = _instance(op.module_path)
         if key in self.answers:
