@@ -10,10 +10,9 @@ import time
 import pytest
 import torch
 from torch import nn
-from zoo import CTR, CTR_ENTRY
+from zoo import CTR
 
 import fleetc
-import fleetc.fleet as fleet
 from fleet.ps_jobs import ps_program, reference_run, run_jobs, worker_results
 from fleet.ps_workers import PS_OPTIMIZERS, batches
 from fleetc.comm.ps.placement import place

@@ -28,8 +28,8 @@ def _act_tag(act: str, param: Any) -> str:
 
 def plan_gemm_epilogue(op: Op, inputs: list[Var | None]) -> CpuPlan:
     """`fleetc.fused_gemm_epilogue`: aten addmm, then the activation in one pass (in place unless h is kept)."""
-    x, w_t, bias = inputs[0], inputs[1], inputs[2]
-    out_shape, act, param, keep_pre_act = op.args[3], op.args[4], op.args[5], op.args[6]
+    x, w_t = inputs[0], inputs[1]
+    act, param, keep_pre_act = op.args[4], op.args[5], op.args[6]
     if act is None:
         raise Unsupported("no activation: the op is one addmm")
     m, n = x.shape[0], w_t.shape[1]
