@@ -1,15 +1,14 @@
 """Worker bodies for data parallel on Hugging Face architectures (`python -m fleet.hf_workers NAME ARGS OUT_DIR`)."""
 from __future__ import annotations
 
-import json
 import os
-import sys
 
 import torch
 from models.factories import ARCHITECTURES
 
 import fleetc
 import fleetc.fleet as fleet
+from fleet.spawn import run_worker
 
 STEPS = 2
 
@@ -49,5 +48,4 @@ def train_hf(rank: int, args: dict, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    name, args, out_dir = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
-    globals()[name](int(os.environ["RANK"]), args, out_dir)
+    run_worker(globals())

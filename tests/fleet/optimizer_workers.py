@@ -1,9 +1,7 @@
 """Worker bodies for the optimizer tests on several ranks (`python -m fleet.optimizer_workers NAME ARGS OUT_DIR`)."""
 from __future__ import annotations
 
-import json
 import os
-import sys
 
 import torch
 from helpers.optimizers import TRACED
@@ -11,6 +9,7 @@ from zoo import OPTIMIZERS, ZOO
 
 import fleetc
 import fleetc.fleet as fleet
+from fleet.spawn import run_worker
 from fleet.workers import global_batches, make_strategy, shard
 
 CLIPS = {"global_norm": fleetc.ClipGradByGlobalNorm, "norm": fleetc.ClipGradByNorm, "value": fleetc.ClipGradByValue}
@@ -53,5 +52,4 @@ def train_configs(rank: int, args: dict, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    name, args, out_dir = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
-    globals()[name](int(os.environ["RANK"]), args, out_dir)
+    run_worker(globals())

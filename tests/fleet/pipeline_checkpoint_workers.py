@@ -2,9 +2,7 @@
 OUT_DIR`): the zoo GPT (tied embeddings, Adam) on two stages, one per process, with gradient merge k_steps=2."""
 from __future__ import annotations
 
-import json
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -12,6 +10,7 @@ from helpers.pipeline import STAGED
 from zoo import OPTIMIZERS, ZOO
 
 import fleetc
+from fleet.spawn import run_worker
 from fleetc import fleet
 
 
@@ -71,5 +70,4 @@ def resumed(rank: int, args: dict, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    name, args, out_dir = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
-    globals()[name](int(os.environ["RANK"]), args, out_dir)
+    run_worker(globals())

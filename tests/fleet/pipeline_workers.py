@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import datetime
-import json
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -13,6 +11,7 @@ from helpers.pipeline import SCALING_STATE, STAGED, TwoStageMLP, amp_pipeline_st
 from zoo import OPTIMIZERS, ZOO
 
 import fleetc
+from fleet.spawn import run_worker
 from fleetc import CollectiveError, fleet
 from fleetc.capture import capture_train_program
 from fleetc.comm.mesh import ProcessMesh
@@ -187,5 +186,4 @@ def _outcome(pipe: DistributedPipeline, batch: tuple) -> str:
 
 
 if __name__ == "__main__":
-    name, args, out_dir = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
-    globals()[name](int(os.environ["RANK"]), args, out_dir)
+    run_worker(globals())

@@ -1,10 +1,7 @@
 """Parameter-server job bodies (`python -m fleet.ps_workers NAME ARGS_JSON OUT_DIR`, servers and workers alike)."""
 from __future__ import annotations
 
-import faulthandler
-import json
 import os
-import sys
 import threading
 import time
 
@@ -14,6 +11,7 @@ from zoo import CTR, CTR_ENTRY, MLP, ZOO
 
 import fleetc
 import fleetc.fleet as fleet
+from fleet.spawn import run_worker
 
 PS_OPTIMIZERS = {
     "sgd": lambda params: torch.optim.SGD(params, lr=0.1),
@@ -111,7 +109,4 @@ def train(rank: int, config: dict, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    name, args, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
-    if args.get("dump_after_s"):  # a hung process shows where it hangs before the test's deadline kills it
-        faulthandler.dump_traceback_later(args["dump_after_s"], exit=True)
-    globals()[name](int(os.environ.get("PADDLE_TRAINER_ID", "-1")), args, out)
+    run_worker(globals(), "PADDLE_TRAINER_ID")

@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import sys
 import time
 
 import torch
@@ -12,11 +10,18 @@ from zoo import OPTIMIZERS, ZOO
 
 import fleetc
 import fleetc.fleet as fleet
+from fleet.spawn import run_worker
+from fleet.workers import (
+    global_batches,
+    make_model,
+    make_strategy,
+    shard,
+    train_with_trainer,
+)
 from fleetc import CollectiveError
 from fleetc.ir import registry
 from fleetc.passes.sharding.optimizer_sharding import RS_START
 from fleetc.runtime import checkpoint_commit
-from fleet.workers import global_batches, make_model, make_strategy, shard, train_with_trainer
 
 
 def optimizer_state_elements(trainer) -> int:
@@ -119,5 +124,4 @@ def dead_rank_in_reduce_scatter(rank: int, args: dict, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    name, args, out_dir = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
-    globals()[name](int(os.environ["RANK"]), args, out_dir)
+    run_worker(globals())

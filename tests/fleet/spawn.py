@@ -103,3 +103,15 @@ def start_ps(servers: int, workers: int, worker: str, args: dict, out_dir: pathl
             procs.append(subprocess.Popen(command, env={**base, **common, **role}, cwd=TESTS, stdout=log,
                                           stderr=subprocess.STDOUT))
     return Job(procs, logs, out_dir, time.monotonic() + deadline_s)
+
+
+def run_worker(namespace: dict, rank_variable: str = "RANK") -> None:
+    """A worker module's `__main__`: call the function the launcher named (argv: name, JSON args, output path) with
+    this process's rank (from `rank_variable`; -1 when unset) and those args. `dump_after_s` in the args makes a
+    hung process print its stacks and exit before the test's deadline kills it."""
+    import faulthandler
+
+    name, args, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+    if args.get("dump_after_s"):
+        faulthandler.dump_traceback_later(args["dump_after_s"], exit=True)
+    namespace[name](int(os.environ.get(rank_variable, "-1")), args, out)

@@ -1,9 +1,7 @@
 """Worker bodies the multi-process tests run (`python -m fleet.workers NAME ARGS_JSON OUT_DIR`, one per rank)."""
 from __future__ import annotations
 
-import json
 import os
-import sys
 import time
 
 import torch
@@ -12,6 +10,7 @@ from zoo import MLP, OPTIMIZERS, ZOO
 
 import fleetc
 import fleetc.fleet as fleet
+from fleet.spawn import run_worker
 from fleetc import CollectiveError
 
 
@@ -197,5 +196,4 @@ def disagreements(rank: int, args: dict, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    name, args, out_dir = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
-    globals()[name](int(os.environ["RANK"]), args, out_dir)
+    run_worker(globals())
