@@ -7,19 +7,13 @@ against the committed row; `FLEETC_FULL=1` checks every row.
 from __future__ import annotations
 
 import datetime
-import importlib.util
 import os
-import pathlib
 
 import pytest
 from factories import ARCHITECTURES
+from helpers.support_matrix import committed_table, support_matrix
 
 from fleetc.fleet.explain import PRESETS
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("support_matrix", ROOT / "scripts" / "support_matrix.py")
-support_matrix = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(support_matrix)
 
 FULL = bool(os.environ.get("FLEETC_FULL"))
 _NAMES = sorted(ARCHITECTURES)
@@ -28,7 +22,7 @@ CHECKED = _NAMES if FULL else [_NAMES[(datetime.date.today().toordinal() + 3) % 
 
 @pytest.fixture(scope="module")
 def committed() -> str:
-    return support_matrix.committed((ROOT / "README.md").read_text())
+    return committed_table()
 
 
 def test_committed_table_is_the_scripts_own_output(committed):
