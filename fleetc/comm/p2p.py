@@ -12,7 +12,7 @@ import contextlib
 import queue
 import threading
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import torch
@@ -70,6 +70,28 @@ class LocalChannel:
 
 
 _CURRENT = threading.local()
+
+
+def run_local_ranks(ranks: list[int], body: Callable[[int, LocalChannel], None], timeout_s: float,
+                    name: str) -> None:
+    """Run `body(rank, channel)` for each pipeline rank of this process on its own thread, all sharing one
+    mailbox; the first error any of them raised is raised here, once every thread has ended."""
+    mailbox = LocalMailbox(timeout_s)
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            body(rank, LocalChannel(mailbox, rank))
+        except BaseException as exc:  # noqa: BLE001  (re-raised in the calling thread)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,), name=f"{name}-{r}") for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
 
 
 @contextlib.contextmanager

@@ -9,14 +9,13 @@ returns the same outputs.
 """
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from fleetc.comm import groups
-from fleetc.comm.p2p import DistributedChannel, LocalChannel, LocalMailbox, use_channel
+from fleetc.comm.p2p import DistributedChannel, run_local_ranks, use_channel
 from fleetc.errors import StrategyError
 from fleetc.ir.program import Program
 from fleetc.passes.pipeline_parallel.forward_only import (
@@ -85,22 +84,8 @@ class ForwardPipeline:
         return out
 
     def _threads(self, state: dict, micro: list, outputs: list) -> None:
-        mailbox = LocalMailbox(self.timeout_s)
-        errors: list[BaseException] = []
-
-        def run(rank: int) -> None:
-            try:
-                self._run_rank(rank, LocalChannel(mailbox, rank), state, micro, outputs)
-            except BaseException as exc:  # noqa: BLE001  (re-raised in the calling thread)
-                errors.append(exc)
-
-        threads = [threading.Thread(target=run, args=(r,), name=f"pipeline-eval-rank-{r}") for r in self.ranks_here]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+        run_local_ranks(self.ranks_here, lambda rank, channel: self._run_rank(rank, channel, state, micro, outputs),
+                        self.timeout_s, "pipeline-eval-rank")
 
     def _run_rank(self, rank: int, channel: Any, state: dict, micro: list, outputs: list) -> None:
         chunks = [s for s in range(len(self.plan.stages)) if s % self.ranks == rank]

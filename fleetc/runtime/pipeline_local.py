@@ -13,7 +13,6 @@ each hold one; every copy gets the same update, so they stay equal (`replica_dri
 """
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
@@ -21,7 +20,7 @@ from torch import nn
 
 from fleetc.comm import groups
 from fleetc.comm.env import collective_timeout
-from fleetc.comm.p2p import DistributedChannel, LocalChannel, LocalMailbox, use_channel
+from fleetc.comm.p2p import DistributedChannel, run_local_ranks, use_channel
 from fleetc.comm.plan import check_ranks_agree
 from fleetc.errors import StrategyError
 from fleetc.ir.program import Program
@@ -217,22 +216,8 @@ class LocalPipeline(PipelineExecutor):
 
     def step(self, *args: Any) -> torch.Tensor:
         step = self._prepare(args)
-        mailbox = LocalMailbox(self.timeout_s)
-        errors: list[BaseException] = []
-
-        def run(rank: int) -> None:
-            try:
-                self._run_rank(rank, LocalChannel(mailbox, rank), step)
-            except BaseException as exc:  # noqa: BLE001  (re-raised in the calling thread)
-                errors.append(exc)
-
-        threads = [threading.Thread(target=run, args=(r,), name=f"pipeline-rank-{r}") for r in self.ranks_here]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+        run_local_ranks(self.ranks_here, lambda rank, channel: self._run_rank(rank, channel, step), self.timeout_s,
+                        "pipeline-rank")
         self._finish(step)
         return torch.stack([step.losses[i] for i in range(self.schedule.microbatches)]).mean()
 

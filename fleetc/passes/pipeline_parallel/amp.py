@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from fleetc.errors import PassError
 from fleetc.ir.program import CONDITIONAL_BLOCK, Op, Program, Ref
-from fleetc.passes.pipeline_parallel.clip import sum_over_stages
+from fleetc.passes.pipeline_parallel.clip import gradient_holders, sum_over_stages
 from fleetc.passes.pipeline_parallel.stages import is_optimize, where
 from fleetc.passes.precision.loss_scaling import LOSS_SCALING
 
@@ -61,8 +61,7 @@ def split_found_inf(program: Program, param_stages: dict[str, list[int]], count:
     """Replace the check_finite_and_unscale op by one per stage over the gradients it holds, each summing its part
     of found_inf over all stages (see the module docstring). Returns unscaled gradient → gradient."""
     block = program.global_block
-    grads = program.metadata.get("optimizer", {}).get("grads", {})
-    holders = {grad: param_stages.get(param, [0]) for param, grad in grads.items()}
+    holders = gradient_holders(program, param_stages)
     aliases: dict[str, str] = {}
     ops: list[Op] = []
     for op in block.ops:

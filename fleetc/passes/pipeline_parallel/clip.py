@@ -21,13 +21,18 @@ GLOBAL = "fleetc.clip_by_global_norm"
 PER_GRADIENT = ("fleetc.clip_by_norm", "fleetc.clip_by_value")
 
 
+def gradient_holders(program: Program, param_stages: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Each parameter gradient → the stages holding its parameter (the first stage for one placed nowhere)."""
+    grads = program.metadata.get("optimizer", {}).get("grads", {})
+    return {grad: param_stages.get(param, [0]) for param, grad in grads.items()}
+
+
 def split_clip_ops(program: Program, param_stages: dict[str, list[int]], count: int,
                    aliases: dict[str, str] | None = None) -> None:
     """Replace each clip op over several stages' gradients by one per stage (see the module docstring). `aliases`
     names other Vars holding a gradient (AMP's unscaled copies) → that gradient."""
     block = program.global_block
-    grads = program.metadata.get("optimizer", {}).get("grads", {})
-    holders = {grad: param_stages.get(param, [0]) for param, grad in grads.items()}
+    holders = gradient_holders(program, param_stages)
     holders.update({alias: holders[grad] for alias, grad in (aliases or {}).items() if grad in holders})
     ops: list[Op] = []
     for op in block.ops:
