@@ -11,10 +11,12 @@ from zoo import OPTIMIZERS, ZOO, SmallCNN, TinyGPT
 
 import fleetc
 from fleetc.capture import capture_train_program
+from fleetc.ir.program import Program
 from fleetc.ir.verifier import verify
 from fleetc.passes.pipeline_parallel.partition import partition
 from fleetc.passes.pipeline_parallel.schedule import build_schedule
 from fleetc.runtime.pipeline_local import LocalPipeline
+from fleetc.strategy import resolve_conflicts, resolve_strategy
 
 
 def _stage(segment: int, segments: int, stages: int) -> str:
@@ -78,6 +80,23 @@ class TwoStageMLP(nn.Module):
 
 
 SCALING_STATE = ("loss_scaling", "num_good_steps", "num_bad_steps")  # AMP's loss-scaling counters
+
+
+def staged_gpt_program(optimizer: type[torch.optim.Optimizer], **strategy_fields) -> tuple[Program, object]:
+    """The 2-stage GPT's training Program on its first sample, captured with `optimizer`, and the resolved config of
+    a pipeline strategy (1 × 2 micro-batches) with `strategy_fields` also set."""
+    strategy = fleetc.DistributedStrategy()
+    strategy.pipeline = True
+    strategy.pipeline_configs = {"micro_batch_size": 1, "accumulate_steps": 2}
+    for key, value in strategy_fields.items():
+        setattr(strategy, key, value)
+    config, _ = resolve_conflicts(resolve_strategy(strategy))
+    torch.manual_seed(0)
+    model = StagedGPT(2)
+    batch, _ = ZOO["gpt"].make_batch(torch.Generator().manual_seed(0))
+    program = capture_train_program(model, ZOO["gpt"].loss_fn, optimizer(model.parameters(), lr=0.1),
+                                    tuple(a[:1] for a in batch), {})
+    return program, config
 
 
 def amp_pipeline_strategy(args: dict, pipeline: bool = True) -> fleetc.DistributedStrategy:

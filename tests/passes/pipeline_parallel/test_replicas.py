@@ -4,30 +4,18 @@ bucket. The numbers are checked on 4 gloo processes in tests/fleet/test_pipeline
 from __future__ import annotations
 
 import torch
-from helpers.pipeline import StagedGPT
-from zoo import ZOO
+from helpers.pipeline import staged_gpt_program
 
-import fleetc
-from fleetc.capture import capture_train_program
 from fleetc.ir.program import OpRole
 from fleetc.passes.data_parallel import InsertAllreduce
 from fleetc.passes.data_parallel.common import START, WAIT
 from fleetc.passes.pipeline_parallel.split import PipelineSplit, pipeline_plan
-from fleetc.strategy import resolve_conflicts, resolve_strategy
 
 DP_GROUPS = [[0, 2], [1, 3]]  # the mesh's dp partition for dp=2 × pp=2
 
 
 def _split(replicas: int):
-    strategy = fleetc.DistributedStrategy()
-    strategy.pipeline = True
-    strategy.pipeline_configs = {"micro_batch_size": 1, "accumulate_steps": 2}
-    config, _ = resolve_conflicts(resolve_strategy(strategy))
-    torch.manual_seed(0)
-    model = StagedGPT(2)
-    batch, _ = ZOO["gpt"].make_batch(torch.Generator().manual_seed(0))
-    program = capture_train_program(model, ZOO["gpt"].loss_fn, torch.optim.SGD(model.parameters(), lr=0.1),
-                                    tuple(a[:1] for a in batch), {})
+    program, config = staged_gpt_program(torch.optim.SGD)
     program.metadata["data_parallel"] = {"world_size": replicas, "groups": DP_GROUPS}
     program, allreduce = InsertAllreduce().run(program, config)
     program, _ = PipelineSplit().run(program, config)

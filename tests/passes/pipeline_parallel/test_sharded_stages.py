@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.pipeline import StagedGPT
-from zoo import ZOO
+from helpers.pipeline import staged_gpt_program
 
-import fleetc
-from fleetc.capture import capture_train_program
 from fleetc.comm.mesh import ProcessMesh
 from fleetc.errors import PassStrategyError
 from fleetc.fleet.trainer import sharding_metadata
@@ -19,7 +16,6 @@ from fleetc.passes.data_parallel.common import START
 from fleetc.passes.pipeline_parallel.split import PipelineSplit, pipeline_plan
 from fleetc.passes.sharding import Sharding
 from fleetc.passes.sharding.optimizer_sharding import GATHER, RS_START
-from fleetc.strategy import resolve_conflicts, resolve_strategy
 
 MESH = ProcessMesh(pp=2, sharding=2)
 
@@ -27,17 +23,7 @@ MESH = ProcessMesh(pp=2, sharding=2)
 def _split(stage: int, rank: int, mesh: ProcessMesh = MESH):
     """The GPT's training Program through the passes as rank `rank` of `mesh` compiles it: (program, plan, sharding
     pass report)."""
-    strategy = fleetc.DistributedStrategy()
-    strategy.pipeline = True
-    strategy.pipeline_configs = {"micro_batch_size": 1, "accumulate_steps": 2}
-    strategy.sharding = True
-    strategy.sharding_configs = {"stage": stage}
-    config, _ = resolve_conflicts(resolve_strategy(strategy))
-    torch.manual_seed(0)
-    model = StagedGPT(2)
-    batch, _ = ZOO["gpt"].make_batch(torch.Generator().manual_seed(0))
-    program = capture_train_program(model, ZOO["gpt"].loss_fn, torch.optim.Adam(model.parameters(), lr=0.1),
-                                    tuple(a[:1] for a in batch), {})
+    program, config = staged_gpt_program(torch.optim.Adam, sharding=True, sharding_configs={"stage": stage})
     program.metadata["data_parallel"] = {"world_size": mesh.world_size // mesh.pp,
                                          "groups": mesh.groups("dp", "sharding")}
     program.metadata["sharding"] = sharding_metadata(mesh, rank)
