@@ -389,11 +389,15 @@ class CompiledTrainer:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Forward only, with eval semantics (dropout off, BatchNorm running stats) and no grad."""
         compiled, leaves = self._lookup("eval", args, kwargs)
+        self._before_eval(compiled)
         self._last_eval = compiled
         run = compiled.executable.run if compiled.pipeline is None else compiled.pipeline.run  # forward-only
         out = run(compiled.binding.resolve(), _fed(compiled, [leaves[i] for i in compiled.tensor_positions]))
         outputs = [out[f"output.{i}"] for i in range(len(out))]
         return tree_unflatten(outputs, compiled.out_spec)
+
+    def _before_eval(self, compiled: CompiledStep) -> None:
+        """Whatever must hold before `compiled` evaluates (nothing in one process)."""
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Copies of the whole, current parameters and buffers, keyed like `model.state_dict()`, on every rank

@@ -183,14 +183,13 @@ class DataParallelTrainer(CompiledTrainer):
             gather_stage_state(self.model, self.optimizer, set(pipeline.holders))
             self._gathered_at = self._steps
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Evaluation. Under a pipeline with one stage per process every rank calls it. With device_guard stages it
-        runs pipelined, forward only: each rank runs its own stages on their current state, and every rank returns
-        the last stage's outputs. Otherwise the stages' current state is gathered first, and each rank runs the
-        whole evaluation Program."""
-        if self._lookup("eval", args, kwargs)[0].pipeline is None:
+    def _before_eval(self, compiled: CompiledStep) -> None:
+        """Under a pipeline with one stage per process every rank evaluates. With device_guard stages evaluation runs
+        pipelined, forward only: each rank runs its own stages on their current state, and every rank returns the
+        last stage's outputs. Otherwise the stages' current state is gathered first, and each rank runs the whole
+        evaluation Program."""
+        if compiled.pipeline is None:
             self._gather_pipeline_stages()
-        return super().__call__(*args, **kwargs)
 
     def memory_stats(self) -> dict[str, Any]:
         """The static estimate; under sharding also `sharding`: this rank's parameter, gradient and optimizer-state
