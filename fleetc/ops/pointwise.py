@@ -63,12 +63,12 @@ class Dialect:
 
 
 class CDialect(Dialect):
-    """C/C++ with fp32 `float` values: the prelude's inline exp and tanh (fleetc/codegen/cpu/source.py), libm calls
-    for log and erf (vectorized through glibc's libmvec), float literals, and
+    """C/C++ with fp32 `float` values: the prelude's inline exp, tanh and erf (fleetc/codegen/cpu/source.py), libm's
+    log (vectorized through glibc's libmvec), float literals, and
     an explicit fma where aten's own build contracts `a + alpha * b` (so add/sub with alpha stay exact)."""
 
     name = "c"
-    _CALLS = {"exp": "fc_exp", "log": "logf", "sqrt": "__builtin_sqrtf", "abs": "__builtin_fabsf", "erf": "erff",
+    _CALLS = {"exp": "fc_exp", "log": "logf", "sqrt": "__builtin_sqrtf", "abs": "__builtin_fabsf", "erf": "fc_erf",
               "tanh": "fc_tanh"}
 
     def num(self, value: float) -> str:

@@ -7,8 +7,10 @@ counts per op how many calls ran the kernel and how many the aten reference. Mod
 
 - "off": nothing is planned; every fused op runs its aten reference.
 - "background": kernels build in a thread pool (one compiler process per distinct kernel, all at once);
-  until its kernels are loaded an op runs its reference, then the next call switches to the kernel.
-- "sync": the same builds, waited for before the first step: the tests' mode, so what ran is known.
+  until its kernels are loaded an op runs its reference; then a few calls alternate kernel and reference, timed,
+  and the op keeps the faster (choice.py): fusion never runs a kernel that measured slower than aten.
+- "sync": the same builds, waited for before the first step, and always the kernel: the tests' mode, so what
+  ran is known.
 
 Identical kernels (same source: the same activation at the same rank and dtypes in every layer) build once,
 and every library is cached on disk (toolchain.py), so a warm cache only loads libraries. A kernel that fails
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from fleetc.codegen.cpu import toolchain
+from fleetc.codegen.cpu.choice import MeasuredSwitch
 from fleetc.codegen.cpu.plan import CpuPlan, Unsupported
 from fleetc.codegen.cpu.source import CppKernel
 from fleetc.ir.program import Op, Program, Ref
@@ -61,6 +64,7 @@ class OpUsage:
     reference_calls: int = 0
     note: str = ""
     exact: bool = False
+    chosen: str = ""  # "kernel" or "reference" once a background-mode measurement chose (choice.py)
 
 
 @dataclass
@@ -71,8 +75,11 @@ class KernelUsage:
     ops: dict[str, OpUsage] = field(default_factory=dict)
 
     def implementation(self, op_name: str) -> str:
-        """"kernel", "reference" or "mixed" (both ran: the kernel arrived mid-training), "not run"."""
+        """"kernel", "reference" or "mixed" (both ran: the kernel arrived mid-training), "not run"; after a
+        measurement (background mode), the implementation it chose."""
         usage = self.ops[op_name]
+        if usage.chosen:
+            return usage.chosen
         if usage.kernel_calls and usage.reference_calls:
             return "mixed"
         return "kernel" if usage.kernel_calls else "reference" if usage.reference_calls else "not run"
@@ -99,23 +106,6 @@ class KernelUsage:
 
     def __str__(self) -> str:
         return "\n".join(self.lines())
-
-
-class _Switch:
-    """Calls the reference until the op's kernels are loaded, then the kernel; counts both."""
-
-    def __init__(self, reference: Callable, usage: OpUsage):
-        self.reference = reference
-        self.usage = usage
-        self.kernel: Callable | None = None
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        kernel = self.kernel
-        if kernel is None:
-            self.usage.reference_calls += 1
-            return self.reference(*args, **kwargs)
-        self.usage.kernel_calls += 1
-        return kernel(*args, **kwargs)
 
 
 @dataclass
@@ -200,7 +190,7 @@ def planned_ops(program: Program) -> list[tuple[Op, CpuPlan | Unsupported]]:
     return found
 
 
-def _attach(switch: _Switch, plan: CpuPlan, futures: list[Future]) -> Future:
+def _attach(switch: MeasuredSwitch, plan: CpuPlan, futures: list[Future]) -> Future:
     """A future that binds the op's kernel into its switch once all its libraries are loaded."""
     done: Future = Future()
     remaining = [len(futures)]
@@ -231,7 +221,7 @@ def prepare(program: Program, mode: str) -> CpuKernels:
     compiler_missing = toolchain.compiler() is None
     for op, plan in planned_ops(program):
         op_usage = usage.ops[op.name] = OpUsage(op.type)
-        switch = _Switch(resolve_callable(op.type), op_usage)
+        switch = MeasuredSwitch(resolve_callable(op.type), op_usage, measure=mode == "background")
         kernels.callables[op.name] = switch
         if isinstance(plan, Unsupported):
             op_usage.note = str(plan)

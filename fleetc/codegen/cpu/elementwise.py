@@ -9,7 +9,8 @@ innermost dim is kept (a column sum such as a bias gradient), accumulates a bloc
 Each step's expression comes from the shared lowering table (fleetc/ops/pointwise.py) in its C dialect;
 values are fp32 (bool for masks) and each step's result is rounded to the dtype aten would store it in
 (bf16 steps round to bf16), so fp32 and bf16 chains of exact ops (add, mul, relu, where, ...) match the
-unfused aten ops bit for bit; transcendental steps (exp, erf, tanh) use libmvec and match within a few ulp.
+unfused aten ops bit for bit; transcendental steps (exp, erf, tanh) use the prelude's inline approximations
+and match within their stated error (source.py).
 """
 from __future__ import annotations
 

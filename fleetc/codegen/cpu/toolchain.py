@@ -7,7 +7,7 @@ bundled libgomp), so their parallel regions share torch's thread pool instead of
 
 Flags: `-ffp-contract=off`, so the compiler never fuses a multiply and an add on its own (kernels that
 claim to match aten bit for bit write `__builtin_fmaf` where aten's build does fuse); `-fno-math-errno`
-so `sqrtf` is one instruction; glibc's libmvec supplies vectorized `erff`/`logf` (exp and tanh are inline, source.py).
+so `sqrtf` is one instruction; glibc's libmvec supplies a vectorized `logf` (exp, tanh and erf are inline, source.py).
 """
 from __future__ import annotations
 
