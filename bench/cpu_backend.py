@@ -4,7 +4,17 @@ Run from the repository root: `PYTHONPATH=$PWD:$PWD/tests python bench/cpu_backe
 fp32,bf16] [--steps N] [--no-torch-compile]`. Every variant trains its own deep copy of one initialised model on the
 same batches; per batch every variant runs one step, in a rotating order, so machine noise lands on all alike; the
 median step is reported (`--stat min`: the fastest step, for a machine so oversubscribed that a small model's
-steps are preempted more often than not). bf16 is AMP: `torch.autocast("cpu", torch.bfloat16)` around eager/torch.compile's forward
+steps are preempted more often than not).
+
+fleetc+cpu runs the default `cpu_kernels="background"` mode, so what is timed is what a user gets: ops whose
+kernel measured slower than their reference run the reference (fleetc/codegen/cpu/choice.py); "kernels kept"
+counts the ops that kept their kernel. Each model and precision starts from an empty fleetc cache (a fresh
+$FLEETC_CACHE_DIR): "first step s" is fleetc+cpu's cold first step in background mode (capture, passes, starting
+the builds, and the step on the references), "kernels ready s" when its last kernel build finished (from the start
+of that step), "sync first step s" the same cold first step in the "sync" mode, which waits for every build.
+"peak MB" is each variant's held tensors (parameters, buffers, optimizer state, including fleetc's own, and the
+batch) plus one step's allocation peak above them, from torch.profiler's allocator events
+(fleetc/runtime/memory.py), after the timed steps. bf16 is AMP: `torch.autocast("cpu", torch.bfloat16)` around eager/torch.compile's forward
 and loss, `strategy.amp = True` for fleetc. `--onednn-isa` runs one bf16 matmul under ONEDNN_VERBOSE in a
 subprocess and prints the ISA oneDNN dispatched it to (AMX shows as `avx512_core_amx`).
 
@@ -19,6 +29,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Callable
 
@@ -28,7 +39,9 @@ from torch import nn
 from zoo import OPTIMIZERS, ZOO, ZooEntry
 
 import fleetc
+from fleetc.codegen.cpu import backend, choice
 from fleetc.passes.order import fusion_flags
+from fleetc.runtime.memory import allocation_peak_bytes, held_bytes
 
 
 class EncoderLayer(nn.Module):
@@ -121,7 +134,10 @@ def eager_step(model, optimizer, loss_fn, amp: bool, args, kwargs) -> torch.Tens
     return loss.detach()
 
 
-def runners(entry: ZooEntry, optimizer: str, amp: bool, with_torch_compile: bool) -> tuple[dict[str, Callable], dict]:
+def runners(entry: ZooEntry, optimizer: str, amp: bool, with_torch_compile: bool,
+            cpu_mode: str = "background") -> tuple[dict[str, Callable], dict, dict]:
+    """A step function per variant, the fleetc trainers, and per variant what holds its state across steps
+    (model, optimizer, fleetc's counters), for the peak-memory column."""
     torch.manual_seed(0)
     base = entry.make_model()
     made: dict[str, Callable] = {}
@@ -129,6 +145,7 @@ def runners(entry: ZooEntry, optimizer: str, amp: bool, with_torch_compile: bool
     model = copy.deepcopy(base)
     opt = OPTIMIZERS[optimizer](model.parameters())
     made["eager"] = lambda *a, **k: eager_step(model, opt, entry.loss_fn, amp, a, k)
+    holders = {"eager": (model, opt, {})}
     if with_torch_compile:
         t_model = copy.deepcopy(base)
         t_opt = OPTIMIZERS[optimizer](t_model.parameters())
@@ -138,37 +155,74 @@ def runners(entry: ZooEntry, optimizer: str, amp: bool, with_torch_compile: bool
         f_model = copy.deepcopy(base)
         trainer = fleetc.compile(f_model, fusion_strategy(fused, amp),
                                  optimizer=OPTIMIZERS[optimizer](f_model.parameters()), loss_fn=entry.loss_fn,
-                                 cpu_kernels="sync" if fused else "off")
+                                 cpu_kernels=cpu_mode if fused else "off")
         made[name], trainers[name] = trainer.step, trainer
-    return made, trainers
+        holders[name] = (f_model, trainer.optimizer, trainer.counters)
+    return made, trainers, holders
+
+
+def peak_bytes(run: Callable, args: tuple, kwargs: dict, holder: tuple) -> int:
+    """Tensors held across steps (each storage once) plus one step's allocation peak above them."""
+    model, optimizer, counters = holder
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+    held = [*model.parameters(), *model.buffers(), *state, *inputs]
+    held += [v for v in counters.values() if isinstance(v, torch.Tensor)]
+    return held_bytes(held) + allocation_peak_bytes(lambda: run(*args, **kwargs))
+
+
+def sync_first_step_s(entry: ZooEntry, optimizer: str, amp: bool, batch: tuple) -> float:
+    """fleetc+cpu's cold first step in the "sync" mode (every kernel built before it runs), in a fresh cache."""
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["FLEETC_CACHE_DIR"] = cache
+        backend._BUILDS.clear()  # noqa: SLF001 - the in-process build table would make the builds warm
+        torch.manual_seed(0)
+        model = entry.make_model()
+        trainer = fleetc.compile(model, fusion_strategy(True, amp), optimizer=OPTIMIZERS[optimizer](model.parameters()),
+                                 loss_fn=entry.loss_fn, cpu_kernels="sync")
+        start = time.perf_counter()
+        trainer.step(*batch[0], **batch[1])
+        return time.perf_counter() - start
 
 
 def bench(entry: ZooEntry, optimizer: str, amp: bool, steps: int, warmup: int, with_torch_compile: bool,
           stat: str = "median") -> dict:
-    made, trainers = runners(entry, optimizer, amp, with_torch_compile)
-    g = torch.Generator().manual_seed(1)
-    batches = [entry.make_batch(g) for _ in range(warmup + steps)]
-    first = {}
-    for name, run in made.items():
-        start = time.perf_counter()
-        run(*batches[0][0], **batches[0][1])
-        first[name] = time.perf_counter() - start
-    for args, kwargs in batches[1:warmup]:
-        for run in made.values():
-            run(*args, **kwargs)
-    times: dict[str, list[float]] = {name: [] for name in made}
-    names = list(made)
-    for i, (args, kwargs) in enumerate(batches[warmup:]):
-        for name in names[i % len(names):] + names[:i % len(names)]:
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["FLEETC_CACHE_DIR"] = cache  # cold: no capture, pass or kernel library cached
+        backend._BUILDS.clear()  # noqa: SLF001
+        made, trainers, holders = runners(entry, optimizer, amp, with_torch_compile)
+        g = torch.Generator().manual_seed(1)
+        batches = [entry.make_batch(g) for _ in range(warmup + steps)]
+        first = {}
+        for name, run in made.items():
             start = time.perf_counter()
-            made[name](*args, **kwargs)
-            times[name].append(time.perf_counter() - start)
+            run(*batches[0][0], **batches[0][1])
+            first[name] = time.perf_counter() - start
+            if name == "fleetc+cpu":
+                trainers[name]._require_train().executable.cpu.wait()  # noqa: SLF001
+                ready_s = time.perf_counter() - start
+        # fleetc+cpu alone until every op chose between its kernel and its reference (choice.py's trial calls)
+        for i in range(2 * (choice.WARMUP + choice.TRIALS)):
+            args, kwargs = batches[i % len(batches)]
+            made["fleetc+cpu"](*args, **kwargs)
+        for args, kwargs in batches[1:warmup]:
+            for run in made.values():
+                run(*args, **kwargs)
+        times: dict[str, list[float]] = {name: [] for name in made}
+        names = list(made)
+        for i, (args, kwargs) in enumerate(batches[warmup:]):
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                start = time.perf_counter()
+                made[name](*args, **kwargs)
+                times[name].append(time.perf_counter() - start)
+        args, kwargs = batches[-1]
+        peak = {name: peak_bytes(made[name], args, kwargs, holders[name]) for name in holders}
     usage = trainers["fleetc+cpu"].report().kernels
     ran = [usage.implementation(n) for n in usage.ops]
     pick = statistics.median if stat == "median" else min
-    return {"ms": {k: 1e3 * pick(v) for k, v in times.items()}, "first_s": first,
-            "kernels": f"{ran.count('kernel')}/{len(ran)}",
-            "compile_s": trainers["fleetc+cpu"].report().compile_seconds}
+    return {"ms": {k: 1e3 * pick(v) for k, v in times.items()}, "first_s": first["fleetc+cpu"], "ready_s": ready_s,
+            "sync_s": sync_first_step_s(entry, optimizer, amp, batches[0]), "peak": peak,
+            "kernels": f"{ran.count('kernel')}/{len(ran)}", "usage": usage}
 
 
 def onednn_isa() -> str:
@@ -192,6 +246,7 @@ def main() -> None:
     parser.add_argument("--no-torch-compile", action="store_true")
     parser.add_argument("--stat", default="median", choices=["median", "min"])
     parser.add_argument("--onednn-isa", action="store_true")
+    parser.add_argument("--choices", action="store_true", help="list the ops whose kernel measured slower")
     opts = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, optimizer {opts.optimizer}, "
           f"{opts.stat} of {opts.steps} interleaved steps after {opts.warmup} warmup")
@@ -200,7 +255,8 @@ def main() -> None:
     with_tc = not opts.no_torch_compile
     header = ["model", "precision", "eager ms", "fleetc ms", "fleetc+cpu ms", "fleetc+cpu/eager", "fleetc+cpu/fleetc"]
     header += ["t.compile ms", "fleetc+cpu/t.compile"] if with_tc else []
-    header += ["kernels ran", "compile s (sync)"]
+    header += ["kernels kept", "first step s", "kernels ready s", "sync first step s", "peak MB eager",
+               "peak MB fleetc", "peak MB fleetc+cpu"]
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header), flush=True)
     for name in opts.models.split(","):
         for precision in opts.precision.split(","):
@@ -211,8 +267,12 @@ def main() -> None:
                    f"{ms['fleetc+cpu'] / ms['eager']:.2f}x", f"{ms['fleetc+cpu'] / ms['fleetc']:.2f}x"]
             if with_tc:
                 row += [f"{ms['torch.compile']:.2f}", f"{ms['fleetc+cpu'] / ms['torch.compile']:.2f}x"]
-            row += [r["kernels"], f"{r['compile_s']:.2f}"]
+            row += [r["kernels"], f"{r['first_s']:.2f}", f"{r['ready_s']:.2f}", f"{r['sync_s']:.2f}"]
+            row += [f"{r['peak'][v] / 2 ** 20:.2f}" for v in ("eager", "fleetc", "fleetc+cpu")]
             print("| " + " | ".join(row) + " |", flush=True)
+            if opts.choices:
+                chosen = [f"  {n}: {u.note}" for n, u in r["usage"].ops.items() if u.chosen == "reference"]
+                print("\n".join(["  ops that kept the reference:"] + chosen), flush=True)
 
 
 if __name__ == "__main__":

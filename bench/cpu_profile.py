@@ -89,7 +89,7 @@ def main() -> None:
                              "amp_configs.custom_black_list, e.g. batch_norm for the float32 batch norm of before")
     opts = parser.parse_args()
     entry = MODELS[opts.model]
-    made, _ = runners(entry, opts.optimizer, opts.precision == "bf16", opts.torch_compile)
+    made, _, _ = runners(entry, opts.optimizer, opts.precision == "bf16", opts.torch_compile, cpu_mode="sync")
     if opts.amp_black_list:
         made.update(black_listed(entry, opts.optimizer, opts.amp_black_list.split(",")))
     g = torch.Generator().manual_seed(1)
