@@ -175,7 +175,7 @@ def sync_first_step_s(entry: ZooEntry, optimizer: str, amp: bool, batch: tuple) 
     """fleetc+cpu's cold first step in the "sync" mode (every kernel built before it runs), in a fresh cache."""
     with tempfile.TemporaryDirectory() as cache:
         os.environ["FLEETC_CACHE_DIR"] = cache
-        backend._BUILDS.clear()  # noqa: SLF001 - the in-process build table would make the builds warm
+        backend._BUILDS.clear()  # the in-process build table would make the builds warm
         torch.manual_seed(0)
         model = entry.make_model()
         trainer = fleetc.compile(model, fusion_strategy(True, amp), optimizer=OPTIMIZERS[optimizer](model.parameters()),
@@ -189,7 +189,7 @@ def bench(entry: ZooEntry, optimizer: str, amp: bool, steps: int, warmup: int, w
           stat: str = "median") -> dict:
     with tempfile.TemporaryDirectory() as cache:
         os.environ["FLEETC_CACHE_DIR"] = cache  # cold: no capture, pass or kernel library cached
-        backend._BUILDS.clear()  # noqa: SLF001
+        backend._BUILDS.clear()
         made, trainers, holders = runners(entry, optimizer, amp, with_torch_compile)
         g = torch.Generator().manual_seed(1)
         batches = [entry.make_batch(g) for _ in range(warmup + steps)]
@@ -199,7 +199,7 @@ def bench(entry: ZooEntry, optimizer: str, amp: bool, steps: int, warmup: int, w
             run(*batches[0][0], **batches[0][1])
             first[name] = time.perf_counter() - start
             if name == "fleetc+cpu":
-                trainers[name]._require_train().executable.cpu.wait()  # noqa: SLF001
+                trainers[name]._require_train().executable.cpu.wait()
                 ready_s = time.perf_counter() - start
         # fleetc+cpu alone until every op chose between its kernel and its reference (choice.py's trial calls)
         for i in range(2 * (choice.WARMUP + choice.TRIALS)):
