@@ -24,6 +24,7 @@ Models: the zoo (tests/zoo.py), `bert` (pre-LN encoder classifier, d=256, 4 laye
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import statistics
@@ -31,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -171,11 +172,25 @@ def peak_bytes(run: Callable, args: tuple, kwargs: dict, holder: tuple) -> int:
     return held_bytes(held) + allocation_peak_bytes(lambda: run(*args, **kwargs))
 
 
-def sync_first_step_s(entry: ZooEntry, optimizer: str, amp: bool, batch: tuple) -> float:
-    """fleetc+cpu's cold first step in the "sync" mode (every kernel built before it runs), in a fresh cache."""
+@contextlib.contextmanager
+def cold_cache() -> Iterator[None]:
+    """An empty fleetc cache (captures, passes, kernel libraries) for the block, and no in-process kernel build."""
+    previous = os.environ.get("FLEETC_CACHE_DIR")
     with tempfile.TemporaryDirectory() as cache:
         os.environ["FLEETC_CACHE_DIR"] = cache
         backend._BUILDS.clear()  # the in-process build table would make the builds warm
+        try:
+            yield
+        finally:
+            if previous is None:
+                os.environ.pop("FLEETC_CACHE_DIR")
+            else:
+                os.environ["FLEETC_CACHE_DIR"] = previous
+
+
+def sync_first_step_s(entry: ZooEntry, optimizer: str, amp: bool, batch: tuple) -> float:
+    """fleetc+cpu's cold first step in the "sync" mode (every kernel built before it runs), in a fresh cache."""
+    with cold_cache():
         torch.manual_seed(0)
         model = entry.make_model()
         trainer = fleetc.compile(model, fusion_strategy(True, amp), optimizer=OPTIMIZERS[optimizer](model.parameters()),
@@ -187,9 +202,7 @@ def sync_first_step_s(entry: ZooEntry, optimizer: str, amp: bool, batch: tuple) 
 
 def bench(entry: ZooEntry, optimizer: str, amp: bool, steps: int, warmup: int, with_torch_compile: bool,
           stat: str = "median") -> dict:
-    with tempfile.TemporaryDirectory() as cache:
-        os.environ["FLEETC_CACHE_DIR"] = cache  # cold: no capture, pass or kernel library cached
-        backend._BUILDS.clear()
+    with cold_cache():
         made, trainers, holders = runners(entry, optimizer, amp, with_torch_compile)
         g = torch.Generator().manual_seed(1)
         batches = [entry.make_batch(g) for _ in range(warmup + steps)]
