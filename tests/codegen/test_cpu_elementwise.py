@@ -3,7 +3,7 @@
 Shapes cover broadcasting (a bias, a column, a scalar), non-contiguous inputs (transposed, strided slices), odd
 sizes and sizes large enough for several OpenMP threads, fp32 and bf16. Chains of exact ops (add, sub with alpha,
 mul, div, relu, where, masked_fill, comparisons) must match aten bit for bit, in bf16 too (each step is rounded
-as aten stores it); transcendental steps (exp, tanh: fleetc's inline fc_exp/fc_tanh; erf, log: libmvec) within
+as aten stores it); transcendental steps (exp, tanh, erf: fleetc's inline fc_exp/fc_tanh/fc_erf; log: libmvec) within
 TRANSCENDENTAL tolerances.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from fleetc.ops.fused_elementwise import operand
 
 pytestmark = pytest.mark.usefixtures("cpu_kernel_cache")
 
-# Stated tolerances of the transcendental kernels (fc_exp/fc_tanh, libmvec erff/logf: a few ulp in fp32; one bf16
+# Stated tolerances of the transcendental kernels (fc_exp/fc_tanh/fc_erf, libmvec logf: a few ulp in fp32; one bf16
 # rounding).
 TRANSCENDENTAL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
 # One bf16 rounding apart on operands of magnitude up to 4 (a sum that cancels keeps the operands' absolute error).
