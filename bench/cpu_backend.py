@@ -14,8 +14,10 @@ the builds, and the step on the references), "kernels ready s" when its last ker
 of that step), "sync first step s" the same cold first step in the "sync" mode, which waits for every build.
 "peak MB" is each variant's held tensors (parameters, buffers, optimizer state, including fleetc's own, and the
 batch) plus one step's allocation peak above them, from torch.profiler's allocator events
-(fleetc/runtime/memory.py), after the timed steps. bf16 is AMP: `torch.autocast("cpu", torch.bfloat16)` around eager/torch.compile's forward
-and loss, `strategy.amp = True` for fleetc. `--onednn-isa` runs one bf16 matmul under ONEDNN_VERBOSE in a
+(fleetc/runtime/memory.py), after the timed steps.
+
+bf16 is AMP: `torch.autocast("cpu", torch.bfloat16)` around eager/torch.compile's forward and loss,
+`strategy.amp = True` for fleetc. `--onednn-isa` runs one bf16 matmul under ONEDNN_VERBOSE in a
 subprocess and prints the ISA oneDNN dispatched it to (AMX shows as `avx512_core_amx`).
 
 Models: the zoo (tests/zoo.py), `bert` (pre-LN encoder classifier, d=256, 4 layers, 4 heads, seq 128, batch 8) and

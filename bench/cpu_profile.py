@@ -2,8 +2,10 @@
 
 Run from the repository root: `PYTHONPATH=$PWD:$PWD/tests python bench/cpu_profile.py --model resnet --precision bf16`.
 Each variant (eager, fleetc without fusion, fleetc+cpu with fusion on the C++ backend, in the "sync" mode so
-every kernel runs and shows, slower ones included; `--torch-compile` adds torch.compile) warms up, then `--steps` steps of each run under torch.profiler, interleaved per batch in rotating
-order so machine load lands on all alike; each profiled event's self time is added to its op family (convolution, matmul, batch norm, casts and copies, ...). fleetc runs every op under a
+every kernel runs and shows, slower ones included; `--torch-compile` adds torch.compile) warms up, then `--steps`
+steps of each run under torch.profiler, interleaved per batch in rotating order so machine load lands on all
+alike; each profiled event's self time is added to its op family (convolution, matmul, batch norm, casts and
+copies, ...). fleetc runs every op under a
 `record_function` range named after it, so a fused op's C++ kernel shows as the self time of its range ("fleetc
 op ranges": kernel plus call overhead). Prints one table, ms per step by family and variant. The variants are
 bench/cpu_backend.py's (imported from this script's folder).
