@@ -1,0 +1,120 @@
+"""Recompute "auto" planned once per distinct piece of the repeated blocks (fleetc/passes/recompute/pieces.py): the
+plan equals the whole network's minimum cut, the Program prints identically with reuse on and off and trains like
+eager, a block whose piece differs is solved on its own, and the report says how many blocks reused."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from conftest import run_side_by_side
+from helpers.scaling import encoder_and_batch
+from zoo import ZOO, TinyGPT, _gpt_batch, _lm_loss
+
+import fleetc
+from fleetc.capture import capture_train_program
+from fleetc.ir.block_copies import REUSE_ENV
+from fleetc.passes.recompute import Choice, RecomputePolicy, pieces
+from fleetc.passes.recompute.auto import min_cut_plan
+from fleetc.passes.recompute.plan import forward_region
+
+
+def _auto() -> fleetc.DistributedStrategy:
+    strategy = fleetc.DistributedStrategy()
+    strategy.recompute = True
+    strategy.recompute_configs = {"checkpoints": "auto"}
+    return strategy
+
+
+def _captured(name: str):
+    if name == "encoder_6_layers":
+        model, optimizer, batch = encoder_and_batch(6)
+        return capture_train_program(model, None, optimizer, batch, {})
+    if name == "gpt_4_layers":
+        torch.manual_seed(0)
+        model = TinyGPT(layers=4)
+        args, _ = _gpt_batch(torch.Generator().manual_seed(0))
+        return capture_train_program(model, _lm_loss, torch.optim.AdamW(model.parameters()), args, {})
+    entry = ZOO[name]
+    torch.manual_seed(0)
+    model = entry.make_model()
+    args, kwargs = entry.make_batch(torch.Generator().manual_seed(0))
+    return capture_train_program(model, entry.loss_fn, torch.optim.AdamW(model.parameters()), args, kwargs)
+
+
+def _plans(program, monkeypatch, policy=None):
+    region = forward_region(program, policy or RecomputePolicy())
+    plans = {}
+    for reuse in ("0", "recompute"):
+        monkeypatch.setenv(REUSE_ENV, reuse)
+        plans[reuse] = min_cut_plan(region)
+    return plans["recompute"], plans["0"]
+
+
+def _reused(lines: list[str]) -> list[tuple[int, int]]:
+    return [tuple(map(int, re.match(r"(\d+) of (\d+) blocks", line).groups())) for line in lines]
+
+
+@pytest.mark.parametrize("name", ["encoder_6_layers", "gpt_4_layers", *ZOO])
+def test_pieces_give_the_whole_networks_cut(name, monkeypatch):
+    by_pieces, whole = _plans(_captured(name), monkeypatch)
+    assert by_pieces.saved == whole.saved
+    assert by_pieces.notes == whole.notes  # the same saved bytes: the sum of the pieces' cuts
+    assert not whole.reused_blocks
+    if name in ("encoder_6_layers", "gpt_4_layers"):
+        counts = _reused(by_pieces.reused_blocks)
+        assert counts and counts[0][0] >= 2, by_pieces.reused_blocks
+
+
+class _SaveOneMore(RecomputePolicy):
+    """The default policy, but one elementwise op of one block must be saved: that block's pieces differ."""
+
+    def __init__(self, op_name: str):
+        self.op_name = op_name
+
+    def choose(self, program, block, op, written_state):
+        return Choice.MUST_SAVE if op.name == self.op_name else super().choose(program, block, op, written_state)
+
+
+def test_a_block_whose_piece_differs_is_solved_on_its_own(monkeypatch):
+    program = _captured("gpt_4_layers")
+    baseline, _ = _plans(program, monkeypatch)
+    target = next(op for op in program.global_block.ops if op.module_path.startswith("layers.2")
+                  and op.type == "aten.gelu.default")
+    by_pieces, whole = _plans(program, monkeypatch, _SaveOneMore(target.name))
+    assert by_pieces.saved == whole.saved and by_pieces.notes == whole.notes
+    assert target.outputs[0] in whole.saved and target.outputs[0] not in baseline.saved  # the plan did change
+    assert _reused(by_pieces.reused_blocks)[0][0] < _reused(baseline.reused_blocks)[0][0]
+
+
+def test_each_distinct_piece_is_solved_once(monkeypatch):
+    """Solves of networkx's min-cut do not grow with the number of identical blocks."""
+    calls, solve = {}, pieces._solve
+    for depth in (4, 8):
+        model, optimizer, batch = encoder_and_batch(depth)
+        region = forward_region(capture_train_program(model, None, optimizer, batch, {}), RecomputePolicy())
+        monkeypatch.setenv(REUSE_ENV, "recompute")
+        solved = []
+
+        def counted(graph, piece, solved=solved):
+            solved.append(piece)
+            return solve(graph, piece)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(pieces, "_solve", counted)
+            min_cut_plan(region)
+        calls[depth] = len(solved)
+    assert calls[8] == calls[4], calls
+
+
+@pytest.mark.parametrize("zoo_name", ["gpt", "cnn"])
+def test_auto_by_pieces_matches_eager_and_the_whole_cut_bit_for_bit(zoo_name, monkeypatch):
+    monkeypatch.setenv(REUSE_ENV, "recompute")
+    reused = run_side_by_side(zoo_name, "adamw", steps=3, strategy=_auto())
+    reused.assert_same()
+    monkeypatch.setenv(REUSE_ENV, "0")
+    whole = run_side_by_side(zoo_name, "adamw", steps=3, strategy=_auto())
+    reused.assert_compiled_identical(whole)
+    assert str(reused.trainer.program) == str(whole.trainer.program)
+    lines = [line for line in reused.trainer.report().repeated_blocks if line.startswith("recompute: ")]
+    assert lines and not [line for line in whole.trainer.report().repeated_blocks if line.startswith("recompute: ")]
