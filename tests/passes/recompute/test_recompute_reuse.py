@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+import networkx as nx
 import pytest
 import torch
 from conftest import run_side_by_side
@@ -118,3 +119,27 @@ def test_auto_by_pieces_matches_eager_and_the_whole_cut_bit_for_bit(zoo_name, mo
     assert str(reused.trainer.program) == str(whole.trainer.program)
     lines = [line for line in reused.trainer.report().repeated_blocks if line.startswith("recompute: ")]
     assert lines and not [line for line in whole.trainer.report().repeated_blocks if line.startswith("recompute: ")]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_pieces_cuts_combine_into_the_whole_networks_cut_on_random_networks(seed):
+    """The decomposition itself (pieces.py's docstring), on random networks shaped like auto.py's: value nodes
+    `v_in → v_out` with capacities (equal ones too, so minimum cuts tie), unbounded edges between values in forward
+    order, random ties to source and sink. networkx's cut of the whole network is the union of the pieces' cuts."""
+    g = torch.Generator().manual_seed(seed)
+    randint = lambda n: int(torch.randint(0, n, (1,), generator=g))
+    graph = nx.DiGraph()
+    graph.add_nodes_from((pieces.SOURCE, pieces.SINK))
+    for v in range(30):
+        graph.add_edge(f"{v}_in", f"{v}_out", capacity=randint(4))
+        for u in {randint(v) for _ in range(randint(3))} if v else ():
+            graph.add_edge(f"{u}_out", f"{v}_in")
+        if randint(4) == 0:
+            graph.add_edge(pieces.SOURCE, f"{v}_in")
+        if randint(3) == 0:
+            graph.add_edge(f"{v}_out", pieces.SINK)
+    whole, (reachable, _) = nx.minimum_cut(graph, pieces.SOURCE, pieces.SINK)
+    parts = [pieces._solve(graph, piece) for piece in pieces._pieces(graph)]
+    assert len(parts) > 1
+    assert sum(capacity for capacity, _ in parts) == whole
+    assert set().union(*(side for _, side in parts)) == reachable - {pieces.SOURCE}
