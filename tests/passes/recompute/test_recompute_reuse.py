@@ -9,7 +9,7 @@ import networkx as nx
 import pytest
 import torch
 from conftest import run_side_by_side
-from helpers.scaling import encoder_and_batch
+from helpers.scaling import all_passes_strategy, encoder_and_batch
 from zoo import ZOO, TinyGPT, _gpt_batch, _lm_loss
 
 import fleetc
@@ -143,3 +143,22 @@ def test_the_pieces_cuts_combine_into_the_whole_networks_cut_on_random_networks(
     assert len(parts) > 1
     assert sum(capacity for capacity, _ in parts) == whole
     assert set().union(*(side for _, side in parts)) == reachable - {pieces.SOURCE}
+
+
+@pytest.mark.slow
+def test_checkpoints_with_every_reuse_build_the_same_program(monkeypatch):
+    """Checkpoint plans are not made per block (docs/ir.md says why); with every other reuse on (fusion answers, AMP's
+    dtype memo) around them, the Program still prints as without reuse."""
+    strategy = all_passes_strategy()
+    strategy.amp = True
+    strategy.recompute_configs = {"checkpoints": [f"layers.{i}" for i in range(4)]}
+    programs = {}
+    for reuse in ("1", "0"):
+        monkeypatch.setenv(REUSE_ENV, reuse)
+        torch.manual_seed(0)
+        model = TinyGPT(layers=4)
+        trainer = fleetc.compile(model, strategy, optimizer=torch.optim.AdamW(model.parameters()), loss_fn=_lm_loss)
+        trainer.step(*_gpt_batch(torch.Generator().manual_seed(0))[0])
+        programs[reuse] = str(trainer.program)
+        assert trainer.history["recompute"].report.stats["checkpoints"] == 4
+    assert programs["1"] == programs["0"]
