@@ -3,7 +3,8 @@
 For each depth one Program is captured (the model of tests/helpers/scaling.py), then the pass order of "every
 fusion + recompute auto + AMP (bf16)" runs on clones of it with `FLEETC_BLOCK_REUSE` on and off, `--repeats`
 times each, alternating; the fastest run of each is kept. Columns: AMP's seconds, the four named fusion passes'
-seconds together, and all passes' seconds, then the Op/Var visits (fleetc.ir.visits) of the same parts, which do not
+seconds together, recompute's seconds (its "auto" min-cut solved by pieces with reuse), and all passes' seconds,
+then the Op/Var visits (fleetc.ir.visits) of the same parts, which do not
 depend on load. The two Programs are checked to print identically.
 
     OMP_NUM_THREADS=1 PYTHONPATH=.:tests python bench/block_reuse.py [--depths 2,8,16,32] [--repeats 2]
@@ -42,7 +43,7 @@ def _config():
 
 
 def _run(captured: Program, config, reuse: bool, visits: bool) -> tuple[dict[str, float], str]:
-    """{amp, fusion, passes} seconds (or visits) of one pass-manager run, and the final Program's text."""
+    """{amp, fusion, recompute, passes} seconds (or visits) of one pass-manager run, and the final Program's text."""
     os.environ[REUSE_ENV] = "1" if reuse else "0"
     program = captured.clone()
     history = History([PassRecord("capture", program, PassReport("capture"), 0.0, estimate_memory(program))])
@@ -55,7 +56,7 @@ def _run(captured: Program, config, reuse: bool, visits: bool) -> tuple[dict[str
         final = PassManager(ordered_passes(config), []).run(program, config, history)
         per_pass = {record.name: record.seconds for record in history[1:]}
     return ({"amp": per_pass.get("amp", 0), "fusion": sum(per_pass.get(n, 0) for n in FUSIONS),
-             "passes": sum(per_pass.values())}, str(final))
+             "recompute": per_pass.get("recompute", 0), "passes": sum(per_pass.values())}, str(final))
 
 
 def main() -> None:
@@ -64,7 +65,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     config = _config()
-    print("depth | ops | amp s (reuse / off) | fusion s | passes s | amp visits | fusion visits | passes visits")
+    print("depth | ops | amp s (reuse / off) | fusion s | recompute s | passes s | amp visits | fusion visits | "
+          "recompute visits | passes visits")
     for depth in (int(d) for d in args.depths.split(",")):
         model, optimizer, batch = encoder_and_batch(depth)
         captured = capture_train_program(model, None, optimizer, batch, {})
@@ -77,8 +79,9 @@ def main() -> None:
         if texts[True] != texts[False]:
             raise SystemExit(f"depth {depth}: the Programs built with and without reuse differ")
         counted = {reuse: _run(captured, config, reuse, visits=True)[0] for reuse in (True, False)}
-        cells = [f"{best[True][k]:.2f} / {best[False][k]:.2f}" for k in ("amp", "fusion", "passes")]
-        cells += [f"{counted[True][k]:,} / {counted[False][k]:,}" for k in ("amp", "fusion", "passes")]
+        parts = ("amp", "fusion", "recompute", "passes")
+        cells = [f"{best[True][k]:.2f} / {best[False][k]:.2f}" for k in parts]
+        cells += [f"{counted[True][k]:,} / {counted[False][k]:,}" for k in parts]
         print(f"{depth} | {len(captured.global_block.ops)} | " + " | ".join(cells), flush=True)
 
 

@@ -152,3 +152,22 @@ def test_reuse_of_repeated_blocks_makes_matching_work_independent_of_depth(monke
         assert reused[8][key] <= 1.25 * reused[4][key], (key, reused)
         assert plain[8][key] >= 1.6 * plain[4][key], (key, plain)
         assert reused[8][key] < plain[8][key] / 2, (key, reused, plain)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["amp_bf16", "amp_fp16"])
+def test_amp_and_loss_scaling_grow_linearly(visits, strategy):
+    """AMP's cast sweep and loss scaling (both dtypes scale the loss by default): before the producer index and the
+    one splice of casts (precision/amp.py), AMP's visits grew x3.0 from 16 to 32 layers."""
+    shallow, deep = visits[SHALLOW][strategy]["amp"], visits[DEEP][strategy]["amp"]
+    assert 1.5 < deep / shallow <= LIMIT, (shallow, deep)
+
+
+@pytest.mark.slow
+def test_recompute_auto_by_pieces_grows_linearly(monkeypatch):
+    """Recompute "auto" with its min-cut solved once per distinct piece of the blocks (FLEETC_BLOCK_REUSE=recompute,
+    recompute/pieces.py), every fusion on: each stage's visits at 16 layers are at most 2.2x those at 8."""
+    monkeypatch.setenv(REUSE_ENV, "recompute")
+    shallow, deep = (stage_visits(depth, ("all_passes",))["all_passes"] for depth in (8, 16))
+    ratios = {stage: deep[stage] / shallow[stage] for stage in shallow}
+    assert "recompute" in ratios and all(1.5 < r <= LIMIT for r in ratios.values()), ratios

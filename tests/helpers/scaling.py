@@ -53,7 +53,16 @@ def all_passes_strategy() -> fleetc.DistributedStrategy:
     return strategy
 
 
-STRATEGIES = {"default": lambda: None, "all_passes": all_passes_strategy}
+def amp_strategy(dtype: str) -> fleetc.DistributedStrategy:
+    """AMP alone in `dtype`; its default dynamic loss scaling comes with it."""
+    strategy = fleetc.DistributedStrategy()
+    strategy.amp = True
+    strategy.amp_configs = {"dtype": dtype}
+    return strategy
+
+
+STRATEGIES = {"default": lambda: None, "all_passes": all_passes_strategy,
+              "amp_bf16": lambda: amp_strategy("bfloat16"), "amp_fp16": lambda: amp_strategy("float16")}
 
 
 def stage_visits(depth: int, strategy_names: tuple[str, ...] = tuple(STRATEGIES)) -> dict[str, dict[str, int]]:

@@ -66,6 +66,8 @@ class _CastRewriter:
         self.casts: dict[tuple[str, str], str] = {}
         self.names = Names(program)  # fresh cast names without rescanning the Program per cast
         self.ops: list[Op] = []
+        self.producer: dict[str, Op] = {}  # name → the first op of `ops` defining it
+        self.after: dict[str, list[Op]] = {}  # op name → casts to place right after it, newest first
         self.readers: dict[str, list[Op]] = {}
         for op in self.block.ops:
             for name in op.inputs:
@@ -79,8 +81,9 @@ class _CastRewriter:
         return var.shape is not None and var.dtype in (FLOAT32, self.low)
 
     # ----- casts ------------------------------------------------------------------------------
-    def cast(self, name: str, dtype: str, template: Op, at: int) -> str:
-        """The Var holding `name` in `dtype`, inserting the cast at position `at` the first time."""
+    def cast(self, name: str, dtype: str, template: Op, after: Op | None = None) -> str:
+        """The Var holding `name` in `dtype`; the first time, its cast is appended to the ops built so far, or placed
+        right after op `after` (spliced in by `placed()`, so no list insertion shifts the ops that follow)."""
         key = (name, dtype)
         if key not in self.casts:
             source = self.program.var(name)
@@ -91,7 +94,10 @@ class _CastRewriter:
             attrs["provenance"] = "amp"
             op = Op(self.names.fresh(f"{name}.cast_{_SUFFIX[dtype].lower()}"), _CAST_TYPE, (Ref(name),),
                     {"dtype": getattr(torch, dtype)}, outputs=[out], attrs=attrs)
-            self.ops.insert(at, op)
+            if after is None:
+                self.append(op)
+            else:
+                self.after.setdefault(after.name, []).insert(0, op)
             self.casts[key] = out
             self.report.count("casts")
             self.report.count(f"casts_to_{dtype}")
@@ -103,9 +109,18 @@ class _CastRewriter:
         dtype = self.original[name]
         if self.program.var(name).dtype == dtype:
             return name
-        producer = next((i for i, op in enumerate(self.ops) if name in op.defined), None)
-        template = self.ops[producer] if producer is not None else consumer
-        return self.cast(name, dtype, template, len(self.ops) if producer is None else producer + 1)
+        producer = self.producer.get(name)
+        return self.cast(name, dtype, consumer if producer is None else producer, producer)
+
+    def append(self, op: Op) -> None:
+        """Add `op` to the ops built so far, indexing the names it defines."""
+        self.ops.append(op)
+        for name in op.defined:
+            self.producer.setdefault(name, op)
+
+    def placed(self) -> list[Op]:
+        """The ops built, with each op's casts right after it: one splice, in time linear in the ops."""
+        return [placed for op in self.ops for placed in (op, *self.after.get(op.name, ()))]
 
     # ----- dtype inference --------------------------------------------------------------------
     def fake(self, name: str, dtype: str) -> Any:
@@ -212,7 +227,7 @@ class _CastRewriter:
     def rewrite(self, op: Op) -> None:
         if not op.type.startswith("aten.") or OpRole.OPTIMIZE in op.role:  # updates run in their captured dtypes
             op.rename_inputs({n: self.restore_dtype(n, op) for n in op.inputs if self.castable(n)})
-            self.ops.append(op)
+            self.append(op)
             return
         changed = any(self.program.var(n).dtype != self.captured.get(n) for n in op.inputs)
         target, casts, args, kwargs, results = self.plan(op)
@@ -220,13 +235,13 @@ class _CastRewriter:
             if kwargs.get("dtype") is torch.float32 and op.kwargs.get("dtype") is None:
                 self.report.count("reductions_accumulating_in_float32")
             op.args, op.kwargs = args, kwargs
-            op.rename_inputs({n: self.cast(n, dtype, op, len(self.ops)) for n, dtype in casts.items()})
+            op.rename_inputs({n: self.cast(n, dtype, op) for n, dtype in casts.items()})
             for name, dtype in zip(op.outputs, results):
                 if name is not None and dtype is not None:
                     self.program.var(name).dtype = str(dtype).removeprefix("torch.")
         if target == self.low:
             self.report.count(f"ops_in_{self.low}")
-        self.ops.append(op)
+        self.append(op)
         self.track_black_views(op)
 
     def track_black_views(self, op: Op) -> None:
@@ -240,10 +255,14 @@ class _CastRewriter:
             if op.sub_block is not None:
                 raise PassError(f"amp runs before passes that create sub-blocks, but op {op.name!r} owns one")
             self.rewrite(op)
-        self.block.ops = self.ops
         for key, name in self.program.fetches.items():
             if self.castable(name) and self.program.var(name).dtype != self.original[name]:
-                self.program.fetches[key] = self.restore_dtype(name, self.ops[-1])
+                self.program.fetches[key] = self.restore_dtype(name, self.last_op())
+        self.block.ops = self.placed()
+
+    def last_op(self) -> Op:
+        """The last op of `placed()`: the last op built, or the oldest cast placed after it."""
+        return (self.after.get(self.ops[-1].name) or self.ops)[-1]
 
 
 def _activation_inputs(op: Op) -> list[str]:

@@ -9,6 +9,7 @@ runtime (fleetc/runtime/state.py) seeds the master from the float32 parameter be
 from __future__ import annotations
 
 from fleetc.ir.program import Op, OpRole, Program, Ref, Var, VarKind
+from fleetc.ir.usedef import Names
 from fleetc.ops.optimizer import MASTER_KEY
 from fleetc.passes.base import PassReport
 
@@ -20,6 +21,7 @@ def keep_master_weights(program: Program, low_params: set[str], report: PassRepo
     last_op = {op.attrs["param"]: op.name for op in block.ops
                if OpRole.OPTIMIZE in op.role and op.attrs.get("param") in low_params}
     ops: list[Op] = []
+    names = Names(program)  # one scan: Program.unique_name rescans the Program per call (one per parameter)
     for op in block.ops:
         ops.append(op)
         param = op.attrs.get("param") if OpRole.OPTIMIZE in op.role else None
@@ -35,7 +37,7 @@ def keep_master_weights(program: Program, low_params: set[str], report: PassRepo
         op.outputs = [master if name == param else name for name in op.outputs]
         if op.name == last_op[param]:
             attrs = {k: op.attrs[k] for k in ("op_role", "module_path") if k in op.attrs}
-            ops.append(Op(program.unique_name(f"{param}.round_master"), "fleetc.assign", (Ref(param), Ref(master)),
+            ops.append(Op(names.fresh(f"{param}.round_master"), "fleetc.assign", (Ref(param), Ref(master)),
                           outputs=[param], attrs={**attrs, "provenance": "amp"}))
     block.ops = ops
     if low_params:

@@ -14,9 +14,11 @@ from typing import Callable
 import networkx as nx
 
 from fleetc.errors import PassStrategyError
+from fleetc.ir.block_copies import reuse_enabled
 from fleetc.ir.liveness import aliased_input
 from fleetc.ir.symbolic import hints
 from fleetc.passes.recompute.checkpoints import checkpoint_plan, module_outputs
+from fleetc.passes.recompute.pieces import cut_by_pieces
 from fleetc.passes.recompute.plan import ForwardRegion, RecomputePlan, recompute_cost
 from fleetc.passes.recompute.policy import Choice, RecomputePolicy
 
@@ -33,8 +35,8 @@ def _save_cost(region: ForwardRegion, name: str) -> int:
     return _UNCUTTABLE if base in region.producer else 0
 
 
-def min_cut_plan(region: ForwardRegion) -> RecomputePlan:
-    """Save the fewest bytes without re-running what the policy marks MUST_SAVE or PREFER_SAVE (matmuls)."""
+def flow_network(region: ForwardRegion) -> nx.DiGraph:
+    """The flow network of the forward values (module docstring); edges without capacity are unbounded."""
     graph = nx.DiGraph()
     graph.add_nodes_from(("source", "sink"))
     for name, op in region.producer.items():
@@ -47,9 +49,22 @@ def min_cut_plan(region: ForwardRegion) -> RecomputePlan:
                 graph.add_edge(f"{source}_out", f"{name}_in")
         if name in region.read_after:
             graph.add_edge(f"{name}_out", "sink")
-    saved_bytes, (reachable, _) = nx.minimum_cut(graph, "source", "sink")
+    return graph
+
+
+def min_cut_plan(region: ForwardRegion) -> RecomputePlan:
+    """Save the fewest bytes without re-running what the policy marks MUST_SAVE or PREFER_SAVE (matmuls); with
+    reuse of repeated blocks, the same cut solved once per distinct piece of the blocks (pieces.py)."""
+    graph = flow_network(region)
+    reused_blocks: list[str] = []
+    if reuse_enabled("recompute"):
+        cut, copies = cut_by_pieces(region, graph)
+        saved_bytes, reachable = cut.capacity, cut.source_side
+        reused_blocks = cut.lines(copies)
+    else:
+        saved_bytes, (reachable, _) = nx.minimum_cut(graph, "source", "sink")
     saved = frozenset(n for n in region.producer if f"{n}_in" in reachable)
-    return RecomputePlan(saved, label="auto",
+    return RecomputePlan(saved, label="auto", reused_blocks=reused_blocks,
                          notes=[f"auto: the min-cut keeps {saved_bytes} bytes of forward values for backward"])
 
 

@@ -23,6 +23,7 @@ class RecomputePlan:
     kept_across: dict[str, str] = field(default_factory=dict)  # value kept across a boundary → suggestion
     notes: list[str] = field(default_factory=list)
     label: str = ""
+    reused_blocks: list[str] = field(default_factory=list)  # how many repeated blocks took a plan made once
 
 
 @dataclass

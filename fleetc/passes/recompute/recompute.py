@@ -74,6 +74,7 @@ class Recompute:
                             recompute_mflops=round(stats.recompute_flops / 1e6), checkpoints=len(plan.checkpoints),
                             kept_across_boundaries=len(plan.kept_across))
         report.notes += plan.notes
+        report.reused_blocks += plan.reused_blocks
         if stats.dropouts_replayed:
             report.notes.append(_DROPOUT_NOTE)
         budget_mb = config.recompute_configs.memory_budget_mb
