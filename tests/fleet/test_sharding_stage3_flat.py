@@ -16,7 +16,8 @@ import torch
 from fleet.spawn import assert_all_ok, spawn
 from fleet.test_sharding import check_sharding, resume_in_one_process, sharded
 
-TINY_SEGMENTS = {"stage": 3, "segment_broadcast_MB": 0.0001}  # one parameter per bucket: every one cut
+TINY_SEGMENTS = {"stage": 3, "segment_broadcast_MB": 0.0001}  # buckets of 104 bytes: most parameters alone, cut
+ONE_PER_BUCKET = {"stage": 3, "segment_broadcast_MB": 1e-6}
 
 # gpt × AdamW is left out against eager (test_sharding.py says why); FLEETC_FULL has the rest of the matrix
 TWO_RANK_CONFIGS = [
@@ -59,7 +60,7 @@ def test_flat_stage_3_full_matrix_on_two_ranks(tmp_path):
 
 @pytest.mark.slow
 def test_a_rank_whose_piece_is_all_padding_trains_as_eager(tmp_path):
-    results = spawn(2, "padded_pieces", {"strategy": sharded(3, sharding_configs=TINY_SEGMENTS)}, tmp_path,
+    results = spawn(2, "padded_pieces", {"strategy": sharded(3, sharding_configs=ONE_PER_BUCKET)}, tmp_path,
                     deadline_s=120, module="fleet.sharding_stage3_workers")
     assert_all_ok(results)
     ranks = [r.result for r in results]
@@ -79,7 +80,7 @@ def test_four_ranks_match_eager_and_their_checkpoint_reshards_to_two_and_one(tmp
     checkpoint; 2 ranks under stage 3 and one process resume it and train the third step alike."""
     checkpoint = str(tmp_path / "ckpt")
     configs = [{"zoo": "mlp", "optimizer": "adam", "steps": 2, "save": checkpoint,
-                "strategy": sharded(3, sharding_configs=TINY_SEGMENTS)}]
+                "strategy": sharded(3, sharding_configs=ONE_PER_BUCKET)}]
     written = spawn(4, "train_sharded", {"configs": configs}, tmp_path / "four", deadline_s=300,
                     module="fleet.sharding_workers")
     check_flat(written, configs, 4)
