@@ -42,12 +42,6 @@ from fleetc.passes.data_parallel.common import (
 from fleetc.passes.data_parallel.merged import merged_values
 from fleetc.passes.pipeline_parallel.stages import pipelined
 from fleetc.passes.sharding.clip_sharding import clip_kept_gradients
-from fleetc.passes.sharding.flat_sharding import (
-    flat_gathers,
-    flat_refusal,
-    piece_updates,
-    rank_pieces,
-)
 from fleetc.passes.sharding.flat_params import (
     flat_layout,
     flat_parameter_plan,
@@ -56,6 +50,12 @@ from fleetc.passes.sharding.flat_params import (
     parameter_buckets,
     partial_pieces,
     regroup_gradients,
+)
+from fleetc.passes.sharding.flat_sharding import (
+    flat_gathers,
+    flat_refusal,
+    piece_updates,
+    rank_pieces,
 )
 from fleetc.passes.sharding.param_sharding import (
     parameter_owners,
@@ -220,7 +220,6 @@ class Sharding:
                             f"its sharding group) holds {held} of {sum(sum(b.numels) for b in buckets)} elements, "
                             f"pieces of {len(pieces)} of {len(params)} parameters, in {len(buckets)} buckets")
         report.stats["owned_params"] = len(meta["owned"])
-        program.metadata.setdefault("collective_groups", {}).update(meta["groups"])
         report.changed = True
         return program, report
 
