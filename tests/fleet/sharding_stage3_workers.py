@@ -21,7 +21,7 @@ def tiny_model() -> nn.Module:
 
 def padded_pieces(rank: int, args: dict, out_dir: str) -> None:
     """Stage 3 with one-parameter buckets on the tiny model, beside eager Adam on the full batch (every rank has it)
-    from the same broadcast initial parameters: losses, parameters, an evaluation call."""
+    from the same broadcast initial parameters: losses, parameters, evaluation calls before and after training."""
     fleet.init(is_collective=True)
     world = fleet.worker_num()
     torch.manual_seed(rank)  # different on every rank: the broadcast from rank 0 makes them equal
@@ -33,6 +33,11 @@ def padded_pieces(rank: int, args: dict, out_dir: str) -> None:
     g = torch.Generator().manual_seed(3)
     batches = [(torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g)) for _ in range(3)]
     out = {"losses": [], "eager_losses": []}
+    # evaluation before any training step: the module still holds every parameter whole, so this Program gathers
+    # whole parameters from their owners; after the training step releases them to flat pieces it recompiles
+    out["eval_before"] = trainer(batches[0][0])
+    with torch.no_grad():
+        out["eager_eval_before"] = eager(batches[0][0])
     for x, y in batches:
         out["losses"].append(trainer.step(*shard((x, y), rank, world)))
         eager_opt.zero_grad()
@@ -45,6 +50,7 @@ def padded_pieces(rank: int, args: dict, out_dir: str) -> None:
     out["state"] = trainer.full_state_dict()
     out["eager_state"] = eager.state_dict()
     out["eval"] = trainer(batches[0][0])
+    out["eval_layout"] = trainer._last_eval.program.metadata["sharding"]["param_layout"]
     with torch.no_grad():
         out["eager_eval"] = eager(batches[0][0])
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))

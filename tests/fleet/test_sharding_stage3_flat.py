@@ -72,6 +72,8 @@ def test_a_rank_whose_piece_is_all_padding_trains_as_eager(tmp_path):
         for name, value in r["eager_state"].items():
             torch.testing.assert_close(r["state"][name], value, msg=lambda m, name=name: f"{name}: {m}")
         torch.testing.assert_close(r["eval"], r["eager_eval"])
+        torch.testing.assert_close(r["eval_before"], r["eager_eval_before"])
+        assert r["eval_layout"] == "flat"  # recompiled after the training step released the parameters
 
 
 @pytest.mark.slow
