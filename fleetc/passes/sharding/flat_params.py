@@ -13,7 +13,7 @@ are passes/sharding/param_sharding.py's, with this layout (`flat_parameter_plan`
 """
 from __future__ import annotations
 
-from fleetc.errors import StrategyError
+from fleetc.errors import PassStrategyError
 from fleetc.ir.liveness import block_reads
 from fleetc.ir.program import Op, OpRole, Program, VarKind
 from fleetc.passes.base import PassReport
@@ -34,10 +34,11 @@ def parameter_buckets(program: Program, degree: int, segment_mb: float, updated:
     params = [v for v in program.persistables() if v.kind is VarKind.PARAM]
     sizes = {v.name: var_numel(v) for v in params}
     if stamped is not None:
-        missing = sorted({name for bucket in stamped for name in bucket} - sizes.keys())
-        if missing or {name for bucket in stamped for name in bucket} != sizes.keys():
-            raise StrategyError(f"sharding_configs.stage 3: this Program's parameters differ from the training "
-                                f"step's flat layout (e.g. {(missing or sorted(sizes))[0]!r}); evaluate the same model")
+        laid_out = {name for bucket in stamped for name in bucket}
+        differ = sorted(laid_out ^ sizes.keys())
+        if differ:
+            raise PassStrategyError(f"sharding_configs.stage 3: this Program's parameters differ from the training "
+                                f"step's flat layout ({differ[0]!r} is in only one of them); evaluate the same model")
         return [FlatBucket.of(bucket, sizes, degree) for bucket in stamped]
     cap = segment_mb * MB
     buckets = []

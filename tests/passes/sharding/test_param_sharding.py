@@ -8,6 +8,7 @@ from helpers.data_parallel import captured_program, run_data_parallel_passes
 
 from fleetc.comm.mesh import ProcessMesh
 from fleetc.comm.plan import collective_plan
+from fleetc.errors import StrategyError
 from fleetc.fleet.trainer import sharding_metadata
 from fleetc.ir.liveness import block_reads
 from fleetc.ir.printer import format_program
@@ -88,3 +89,14 @@ def test_every_rank_gathers_alike_and_reads_only_what_it_holds_or_gathered(segme
     assert held[0] | held[1] == params.keys()
     if layout == "whole":
         assert held[0].isdisjoint(held[1])
+
+
+def test_a_program_that_does_not_fit_the_training_steps_flat_layout_is_refused_by_name():
+    """A later Program of the model follows the layout the training step stamped; one whose parameters differ (here
+    the stamp names a parameter this Program lacks) is a clear error, not a wrong gather."""
+    program = captured_program("mlp")
+    program.metadata["sharding"] = sharding_metadata(ProcessMesh(sharding=2), 0)
+    names = [v.name for v in program.persistables() if v.kind is VarKind.PARAM]
+    program.metadata["sharding"].update(param_layout="flat", param_buckets=[[*names, "head.weight"]])
+    with pytest.raises(StrategyError, match="'head.weight' is in only one of them"):
+        run_data_parallel_passes(program, 2, sharding=True, sharding_configs={"stage": 3, "sharding_degree": 2})
