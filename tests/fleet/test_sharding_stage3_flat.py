@@ -12,9 +12,14 @@ import os
 
 import pytest
 import torch
+from helpers.export import trained
+from zoo import ZOO
 
+import fleetc
 from fleet.spawn import assert_all_ok, spawn
 from fleet.test_sharding import check_sharding, resume_in_one_process, sharded
+from fleetc.fleet import inference
+from fleetc.fleet.sharded_params import FlatShardedParameters
 
 TINY_SEGMENTS = {"stage": 3, "segment_broadcast_MB": 0.0001}  # buckets of 104 bytes: most parameters alone, cut
 ONE_PER_BUCKET = {"stage": 3, "segment_broadcast_MB": 1e-6}
@@ -95,3 +100,18 @@ def test_four_ranks_match_eager_and_their_checkpoint_reshards_to_two_and_one(tmp
             torch.testing.assert_close(result.result["resumed"][name], value, msg=lambda m, name=name: f"{name}: {m}")
     shares = [result.result["state_elements"] for result in resumed]
     assert sum(shares) == 2 * 6922 and min(shares) > 0  # Adam's two moments, each rank its piece
+
+
+def test_export_refuses_flat_pieces_by_name(tmp_path):
+    """A rank holding flat pieces (1-D, not empty) is refused like one holding released parameters: the export
+    would write pieces as weights."""
+    strategy = fleetc.DistributedStrategy()
+    strategy.sharding = True
+    strategy.sharding_configs = {"stage": 3}
+    trainer, _, _ = trained(ZOO["mlp"], strategy, steps=1)
+    names = [name for name, _ in trainer.model.named_parameters()]
+    trainer._sharded_params = FlatShardedParameters(trainer.model, [names], {n: [0, 1] for n in names}, 0, 2)
+    trainer._sharded_params.release()  # as rank 0 of 2 holds them: a piece of each
+    assert trainer.model.fc2.weight.shape == (1,)
+    with pytest.raises(fleetc.ExportError, match="this rank holds only its part of the parameters"):
+        inference.save_inference_model(trainer, str(tmp_path / "m"), "x", "output")
