@@ -5,8 +5,10 @@ Usage: OMP_NUM_THREADS=1 python bench/sharding.py [--world 2] [--layers 12] [--w
 Starts `--world` ranks on loopback (gloo) itself; rank 0 prints the table. Model: a stack of Linear+ReLU
 layers, AdamW, MSE loss. "state MB per rank" is what a rank holds between steps plus the gradients it keeps
 for its update: parameters + gradients + optimizer state (fleetc: `memory_stats()["sharding"]`, stage 0 counted
-the same way; stage 3's parameters gathered in flight are not in it, `gathered_in_flight_bytes` gives them; DDP and FSDP2: the local tensors, FSDP2's DTensor shards by their local size). Step times are the
-median over interleaved rounds; take them with 2 ranks only (more ranks than cores measure the scheduler).
+the same way; stage 3's parameters gathered in flight are not in it: the "in flight MB" column gives them,
+`gathered_in_flight_bytes`; DDP and FSDP2: the local tensors, FSDP2's DTensor shards by their local size).
+Step times are the median over interleaved rounds; take them with 2 ranks only (more ranks than cores measure
+the scheduler).
 """
 from __future__ import annotations
 
@@ -63,10 +65,12 @@ def fleetc_variant(options: argparse.Namespace, stage: int):
     fleet.distributed_optimizer(optimizer, strategy)
     trainer = fleet.distributed_model(model, loss_fn=F.mse_loss)
 
-    def held() -> int:
+    def held() -> tuple[int, int]:
+        """(state bytes, stage 3's parameters gathered in flight at most)."""
         if stage:
-            return trainer.memory_stats()["sharding"]["total_bytes"]
-        return 2 * sum(local_bytes(p) for p in model.parameters()) + state_bytes(optimizer)  # every gradient kept
+            stats = trainer.memory_stats()["sharding"]
+            return stats["total_bytes"], stats["gathered_in_flight_bytes"]
+        return 2 * sum(local_bytes(p) for p in model.parameters()) + state_bytes(optimizer), 0  # every gradient kept
     return trainer.step, held
 
 
@@ -79,7 +83,7 @@ def eager_variant(model: nn.Module):
         loss.backward()
         optimizer.step()
         return loss
-    return step, lambda: held_bytes(model, optimizer)
+    return step, lambda: (held_bytes(model, optimizer), 0)
 
 
 def worker(options: argparse.Namespace) -> None:
@@ -116,10 +120,12 @@ def worker(options: argparse.Namespace) -> None:
         print(f"{world} ranks (gloo, loopback), {options.layers}x Linear({options.width},{options.width}) = {params} "
               f"parameters, AdamW, batch {options.batch} per rank, median of {options.rounds} rounds x "
               f"{options.steps} steps")
-        print(f"{'variant':<38} {'state MB per rank (min-max)':>28} {'step ms':>9}")
+        print(f"{'variant':<38} {'state MB per rank (min-max)':>28} {'step ms':>9} {'in flight MB':>13}")
         for name in variants:
-            sizes = [h[name] / MB for h in every]
-            print(f"{name:<38} {min(sizes):>13.2f} - {max(sizes):<12.2f} {statistics.median(times[name]) * 1e3:>9.2f}")
+            sizes = [h[name][0] / MB for h in every]
+            flight = max(h[name][1] for h in every) / MB
+            print(f"{name:<38} {min(sizes):>13.2f} - {max(sizes):<12.2f} {statistics.median(times[name]) * 1e3:>9.2f} "
+                  f"{flight:>13.2f}")
     fleet.stop_worker()
 
 

@@ -90,9 +90,11 @@ def full_weights(trainer: CompiledTrainer, notes: list[str]) -> dict[str, torch.
     until then such an export is refused."""
     config = trainer.config
     if config.sharding and config.sharding_configs.stage >= 3:
-        if any(p.numel() == 0 for p in trainer.model.parameters()):
-            raise ExportError("save_inference_model under sharding stage 3: this rank holds only the parameters it "
-                              "owns; call fleet.save_inference_model on every rank (it gathers them), or export "
+        held = getattr(trainer, "_sharded_params", None)  # this rank's part of each parameter (a flat piece, say)
+        shapes = held.shapes if held is not None else {}
+        if any(p.numel() == 0 or p.shape != shapes.get(name, p.shape) for name, p in trainer.model.named_parameters()):
+            raise ExportError("save_inference_model under sharding stage 3: this rank holds only its part of the "
+                              "parameters; call fleet.save_inference_model on every rank (it gathers them), or export "
                               "inside `with trainer.whole_parameters():` entered on every rank")
         notes.append("sharding stage 3: the weights were whole for the export (gathered from their owners across "
                      "processes; in one process nothing is sharded)")

@@ -1,8 +1,10 @@
-"""The user's module under sharding stage 3: a rank keeps only the parameters it owns, whole when asked.
+"""The user's module under sharding stage 3: a rank keeps only its part of the parameters, whole when asked.
 
-After the training Program is compiled, the parameters another rank owns are released (their storage
-becomes empty; the Parameter objects stay, so the module's structure and the optimizer's references do not
-change). The Programs gather them where they are used (passes/sharding/param_sharding.py). For whatever
+After the training Program is compiled, each parameter keeps only what this rank holds of it: on flat buckets
+(`FlatShardedParameters`) its flat piece (1-D; empty where the rank holds none of it), under whole-parameter
+ownership (`ShardedParameters`) all of it or nothing. The Parameter objects stay, so the module's structure and
+the optimizer's references do not change. The Programs gather them where they are used
+(passes/sharding/param_sharding.py). For whatever
 needs every parameter whole (full_state_dict, checkpoints) `whole_parameters` gathers them from their owners
 for the duration of a `with` block, then releases them again.
 """
@@ -10,12 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
 
 from fleetc.comm.sharding_ops import c_sharding_allgather, owner_major_starts
-from fleetc.passes.sharding.plan import ShardedBucket
+from fleetc.passes.sharding.plan import FlatBucket, ShardedBucket
 
 GROUP = "sharding"
 
@@ -26,6 +29,10 @@ class ShardedParameters:
     def __init__(self, model: nn.Module, owners: dict[str, int], rank: int, degree: int):
         self.model, self.owners, self.rank, self.degree = model, owners, rank, degree
         self.shapes = {name: p.shape for name, p in model.named_parameters() if name in owners}
+
+    def layout(self) -> dict[str, Any]:
+        """What a later Program of the model must follow (stamped into its `metadata["sharding"]`)."""
+        return {"param_layout": "whole"}
 
     def _allocate(self) -> None:
         for name, param in self.foreign():
@@ -73,16 +80,85 @@ class ShardedParameters:
             self.release()
 
 
-def sharded_parameters(model: nn.Module, metadata: dict) -> ShardedParameters | None:
+class FlatShardedParameters:
+    """Stage 3 on flat buckets: this rank (index `rank` of `degree`) holds elements [lo, hi) of each parameter it
+    has a piece of (`pieces`); `buckets` lay the parameters out, as in the Programs."""
+
+    def __init__(self, model: nn.Module, buckets: list[list[str]], pieces: dict[str, list[int]], rank: int,
+                 degree: int):
+        self.model, self.rank, self.degree = model, rank, degree
+        self.shapes = {name: p.shape for name, p in model.named_parameters()}
+        sizes = {name: shape.numel() for name, shape in self.shapes.items()}
+        self.buckets = [FlatBucket.of(names, sizes, degree) for names in buckets]
+        self.pieces = {name: (lo, hi) for name, (lo, hi) in pieces.items()}
+
+    def layout(self) -> dict[str, Any]:
+        return {"param_layout": "flat", "param_buckets": [list(bucket.names) for bucket in self.buckets]}
+
+    def numel(self) -> int:
+        return sum(shape.numel() for shape in self.shapes.values())
+
+    def _sharded(self) -> list[tuple[str, nn.Parameter]]:
+        names = {name for bucket in self.buckets for name in bucket.names}
+        return [(name, p) for name, p in self.model.named_parameters() if name in names]
+
+    def release(self) -> None:
+        """Keep only this rank's piece of every parameter (the parameters are whole-shaped now)."""
+        for name, param in self._sharded():
+            lo, hi = self.pieces.get(name, (0, 0))
+            if (lo, hi) != (0, self.shapes[name].numel()):
+                param.data = param.data.reshape(-1)[lo:hi].clone()
+
+    def _whole_shaped(self) -> None:
+        """Every parameter whole-shaped, this rank's pieces in place, the rest uninitialized."""
+        for name, param in self._sharded():
+            if param.shape != self.shapes[name]:
+                whole = torch.empty(self.shapes[name], dtype=param.dtype, device=param.device)
+                lo, hi = self.pieces.get(name, (0, 0))
+                whole.view(-1)[lo:hi] = param.data
+                param.data = whole
+
+    @contextmanager
+    def placeholders(self) -> Iterator[None]:
+        """Every parameter whole-shaped inside the block (capture needs only shapes and dtypes)."""
+        self._whole_shaped()
+        try:
+            yield
+        finally:
+            self.release()
+
+    @contextmanager
+    def whole_parameters(self) -> Iterator[None]:
+        """Every parameter whole and current inside the block (a collective: every rank of the group enters it);
+        what the block writes into them is what each rank keeps of them after it (a checkpoint load)."""
+        self._whole_shaped()
+        params = dict(self._sharded())
+        with torch.no_grad():
+            for bucket in self.buckets:  # one all-gather per bucket, through the Programs' flat layout
+                c_sharding_allgather([params[n] for n in bucket.names], bucket.starts, bucket.segment, GROUP,
+                                     "whole parameters")
+        try:
+            yield
+        finally:
+            self.release()
+
+
+HeldParameters = ShardedParameters | FlatShardedParameters  # what a stage-3 rank holds of the module's parameters
+
+
+def sharded_parameters(model: nn.Module, metadata: dict) -> HeldParameters | None:
     """The stage-3 bookkeeping for a compiled training Program's metadata (None: parameters are not sharded)."""
     sharding = metadata.get("sharding") or {}
+    if sharding.get("param_layout") == "flat":
+        return FlatShardedParameters(model, sharding["param_buckets"], sharding["param_pieces"], sharding["rank"],
+                                     sharding["degree"])
     if "param_owners" not in sharding:
         return None
     return ShardedParameters(model, sharding["param_owners"], sharding["rank"], sharding["degree"])
 
 
 @contextmanager
-def whole(sharded: ShardedParameters | None, values: bool = True) -> Iterator[None]:
+def whole(sharded: HeldParameters | None, values: bool = True) -> Iterator[None]:
     """`sharded.whole_parameters()` (`values`) or `sharded.placeholders()`, or nothing to do when the parameters
     are not sharded."""
     if sharded is None:

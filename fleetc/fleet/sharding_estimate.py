@@ -28,7 +28,8 @@ def plan_for_world(trainer: CompiledTrainer, world_size: int) -> tuple[Any, list
     program.metadata["data_parallel"] = {"world_size": world_size}
     history = History([PassRecord("capture", program, PassReport("capture"), 0.0, estimate_memory(program))])
     final = PassManager(ordered_passes(trainer.config), [VerifyInstrument()]).run(program, trainer.config, history)
-    return mesh, rank_plans(final, mesh.sharding, trainer.config.sharding_configs.stage)
+    return mesh, rank_plans(final, mesh.sharding, trainer.config.sharding_configs.stage,
+                            trainer.config.sharding_configs.segment_broadcast_MB)
 
 
 def format_plans(mesh: Any, plans: list[RankPlan], stage: int) -> str:

@@ -16,7 +16,7 @@ from fleetc.comm.plan import check_plans_agree, check_ranks_agree
 from fleetc.compiler import CompiledStep, CompiledTrainer
 from fleetc.errors import CheckpointError, StrategyError
 from fleetc.fleet.pipeline_state import gather_stage_state, save_pipeline_checkpoint
-from fleetc.fleet.sharded_params import ShardedParameters, sharded_parameters, whole
+from fleetc.fleet.sharded_params import HeldParameters, sharded_parameters, whole
 from fleetc.fleet.sharded_state import (
     drop_foreign_state,
     owned_indices,
@@ -101,7 +101,7 @@ class DataParallelTrainer(CompiledTrainer):
         self._owned: set[str] | None = None  # under sharding: the parameters this rank updates
         self._gathered_at = -1  # under a pipeline across processes: the step whose stage state was last gathered
         self._resumed_merges: dict[int, dict] | None = None  # a loaded pipeline checkpoint's carried merge state
-        self._sharded_params: ShardedParameters | None = None  # stage 3: the parameters this rank holds
+        self._sharded_params: HeldParameters | None = None  # stage 3: the parameters this rank holds
         self.mesh, mesh_notes = resolve_mesh(self.config, self.world_size)
         self.decisions += [f"process mesh {self.mesh}", *mesh_notes]
         if self.world_size > 1:
@@ -116,12 +116,14 @@ class DataParallelTrainer(CompiledTrainer):
             program.metadata["data_parallel"]["groups"] = self.mesh.groups("dp", "sharding")
         if self.config.sharding and self.world_size > 1:
             program.metadata["sharding"] = sharding_metadata(self.mesh, env.rank())
+            if self._sharded_params is not None:  # stage 3: later Programs follow the training step's layout
+                program.metadata["sharding"].update(self._sharded_params.layout())
         return super()._optimize(program, capture_seconds)
 
     def _compile(self, kind: str, args: tuple, kwargs: dict, dynamic: DynamicDims) -> CompiledStep:
         with whole(self._sharded_params, values=False):  # stage 3: capture sees whole-shaped parameters
             compiled = super()._compile(kind, args, kwargs, dynamic)
-        gathers = bool(compiled.program.metadata.get("sharding", {}).get("param_owners"))  # stage 3 eval too
+        gathers = "param_layout" in compiled.program.metadata.get("sharding", {})  # stage 3 eval too
         if self.world_size > 1 and (kind == "train" or gathers or compiled.pipeline is not None):
             # The plan check first: a dead rank or a disagreement fails here, cleanly, before group creation waits.
             check_plans_agree(compiled.program, {"the optimizer's settings": optimizer_settings(self.optimizer)})

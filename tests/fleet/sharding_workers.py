@@ -33,30 +33,35 @@ def optimizer_state_elements(trainer) -> int:
 def train_sharded(rank: int, args: dict, out_dir: str) -> None:
     """Each config trained as in data parallel, plus what the rank keeps of the optimizer state and the plan."""
     fleet.init(is_collective=True)
-    runs = []
-    for config in args["configs"]:
-        trainer, run = train_with_trainer(rank, fleet.worker_num(), config)
-        program = trainer.program
-        run["state_elements"] = optimizer_state_elements(trainer)
-        run["params"] = len(list(trainer.model.parameters()))
-        run["full_state"] = trainer.full_state_dict()
-        run["held_param_elements"] = sum(p.numel() for p in trainer.model.parameters())
-        run["memory"] = trainer.memory_stats().get("sharding")
-        inputs = shard(global_batches(config["zoo"], 1)[0], rank, fleet.worker_num())[:-1]
-        run["eval"] = trainer(*inputs)  # forward only under sharding, beside eager eval on the same parameters
-        eager = make_model(config)  # the trained parameters, whole (under stage 3 this rank holds only its own)
-        eager.load_state_dict(run["full_state"])
-        eager.eval()
-        with torch.no_grad():
-            run["eager_eval"] = eager(*inputs)
-        # What the guards see when their cheap identity check misses (stage 3: the released parameters) must still
-        # match what they recorded, or every such step would recompile.
-        run["guard_failures"] = [step.guards.failure() for step in (trainer._last_train, trainer._last_eval)]
-        run["op_types"] = sorted({op.type for _, op in program.walk_ops()})
-        runs.append(run)
+    runs = [sharded_run(rank, config) for config in args["configs"]]
     torch.save({"runs": runs}, os.path.join(out_dir, f"rank{rank}.pt"))
     fleet.barrier_worker()
     fleet.stop_worker()
+
+
+def sharded_run(rank: int, config: dict) -> dict:
+    """One config of `train_sharded` (`save`: a checkpoint directory written after the steps)."""
+    trainer, run = train_with_trainer(rank, fleet.worker_num(), config)
+    program = trainer.program
+    run["state_elements"] = optimizer_state_elements(trainer)
+    run["params"] = len(list(trainer.model.parameters()))
+    run["full_state"] = trainer.full_state_dict()
+    run["held_param_elements"] = sum(p.numel() for p in trainer.model.parameters())
+    run["memory"] = trainer.memory_stats().get("sharding")
+    inputs = shard(global_batches(config["zoo"], 1)[0], rank, fleet.worker_num())[:-1]
+    run["eval"] = trainer(*inputs)  # forward only under sharding, beside eager eval on the same parameters
+    eager = make_model(config)  # the trained parameters, whole (under stage 3 this rank holds only its own)
+    eager.load_state_dict(run["full_state"])
+    eager.eval()
+    with torch.no_grad():
+        run["eager_eval"] = eager(*inputs)
+    # What the guards see when their cheap identity check misses (stage 3: the released parameters) must still
+    # match what they recorded, or every such step would recompile.
+    run["guard_failures"] = [step.guards.failure() for step in (trainer._last_train, trainer._last_eval)]
+    run["op_types"] = sorted({op.type for _, op in program.walk_ops()})
+    if config.get("save"):
+        trainer.save_checkpoint(config["save"])
+    return run
 
 
 def checkpoint_round_trip(rank: int, args: dict, out_dir: str) -> None:

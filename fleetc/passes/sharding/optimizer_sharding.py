@@ -11,7 +11,8 @@ buffer is flat, split evenly across the ranks, so a parameter may be updated in 
 unless an update or a gradient reader needs whole gradients: then it is owner-major over whole parameters.
 Under AMP each rank unscales and checks only the gradients it keeps, and `found_inf` is max-allreduced.
 Stage 3: also the parameters, gathered where they are used (passes/sharding/param_sharding.py); no gather
-after the update.
+after the update. By default each parameter bucket is split evenly and a rank keeps a flat piece of it
+(flat_params.py), where stage 2's flat buckets apply; otherwise it owns whole parameters.
 Under a pipeline (stages 1 and 2) the pass leaves the whole Program alone and records the stage in
 `metadata["sharding"]["per_stage"]`: the pipeline split then runs this rewrite on each stage's optimizer
 Program, over that stage's sharding group (passes/pipeline_parallel/sharded_stages.py). Stage 3 is refused there.
@@ -41,13 +42,26 @@ from fleetc.passes.data_parallel.common import (
 from fleetc.passes.data_parallel.merged import merged_values
 from fleetc.passes.pipeline_parallel.stages import pipelined
 from fleetc.passes.sharding.clip_sharding import clip_kept_gradients
+from fleetc.passes.sharding.flat_params import (
+    flat_layout,
+    flat_parameter_plan,
+    flat_params_refusal,
+    narrow_updates,
+    parameter_buckets,
+    partial_pieces,
+    regroup_gradients,
+)
 from fleetc.passes.sharding.flat_sharding import (
     flat_gathers,
     flat_refusal,
     piece_updates,
     rank_pieces,
 )
-from fleetc.passes.sharding.param_sharding import parameter_owners, shard_parameters
+from fleetc.passes.sharding.param_sharding import (
+    parameter_owners,
+    shard_parameters,
+    whole_parameter_plan,
+)
 from fleetc.passes.sharding.plan import FlatBucket, ShardedBucket, assign_owners
 
 GATHER = "fleetc.c_sharding_allgather"
@@ -101,13 +115,18 @@ class Sharding:
         stage = config.sharding_configs.stage
         if not meta.get("per_stage") and pipelined(program, config):
             return self._defer_to_pipeline_stages(program, meta, config, report)
-        if stage == 3:  # every parameter has an owner, updated or not (a forward-only Program shards them too)
-            owners = parameter_owners(program, degree)
-            meta["param_owners"] = owners
+        if stage == 3:
             program.metadata.setdefault("collective_groups", {}).update(meta["groups"])
+            refusal = self._flat_stage_3_refusal(program, meta, updates)
+            if refusal is None:
+                return self._flat_stage_3(program, meta, config, updates, report)
+            report.notes.append(f"stage 3 owns whole parameters here, not even flat-bucket pieces: {refusal}")
+            # every parameter has an owner, updated or not (a forward-only Program shards them too)
+            owners = parameter_owners(program, degree)
+            meta["param_owners"], meta["param_layout"] = owners, "whole"
         if not updates:
             if stage == 3:
-                shard_parameters(program, owners, degree, rank, config, report)
+                self._shard_whole_parameters(program, owners, degree, rank, config, report)
                 report.changed = True
                 return program, report
             report.skipped_reason = "the Program has no optimizer updates to shard"
@@ -154,12 +173,61 @@ class Sharding:
                 self._reduce_scatter(program, lambda names: self._owner_major(names, owners, sizes, degree, rank),
                                      foreign, meta, report)
         if stage == 3:
-            shard_parameters(program, owners, degree, rank, config, report)
+            self._shard_whole_parameters(program, owners, degree, rank, config, report)
         program.metadata.setdefault("collective_groups", {}).update(meta["groups"])
         meta["owned"] = [p for p in params if p not in foreign]
         report.stats["owned_params"] = len(meta["owned"])
         report.changed = True
         return program, report
+
+    @staticmethod
+    def _flat_stage_3_refusal(program: Program, meta: dict, updates: dict[int, list[Op]]) -> str | None:
+        """Why stage 3 cannot hold flat pieces of the parameter buckets here (None: it can). A Program compiled after
+        the training step follows that step's layout (the trainer stamps it); a forward-only Program before any
+        training step holds whole parameters (the module still holds them whole)."""
+        if meta.get("param_layout"):
+            return None if meta["param_layout"] == "flat" else "the training step holds whole parameters"
+        if not updates:
+            return "no training step compiled yet: the module still holds every parameter whole"
+        return flat_params_refusal(program, updates)
+
+    def _flat_stage_3(self, program: Program, meta: dict, config: Any, updates: dict[int, list[Op]],
+                      report: PassReport) -> tuple[Program, PassReport]:
+        """Stage 3 on flat parameter buckets (passes/sharding/flat_params.py): this rank keeps its piece of each
+        bucket, the update of that piece and its gradient; each phase gathers the buckets before their uses."""
+        degree, rank = meta["degree"], meta["rank"]
+        updated = {op.attrs["param"] for ops in updates.values() for op in ops}
+        buckets = parameter_buckets(program, degree, config.sharding_configs.segment_broadcast_MB, updated,
+                                    meta.get("param_buckets"))
+        pieces, partial = rank_pieces(buckets, rank), partial_pieces(buckets, rank)
+        params = [name for bucket in buckets for name in bucket.names]
+        dropped = set(params) - pieces.keys()
+        if updates:
+            for block_idx in updates:
+                self._shard_updates(program, program.blocks[block_idx], dropped & updated, updated, None, report)
+            layouts = regroup_gradients(program, buckets, updated, report)
+            narrow_updates(program, updates, partial, report)
+            self._reduce_scatter(program, lambda names: flat_layout(layouts[tuple(names)], names, rank, degree),
+                                 dropped, meta, report)
+        shard_parameters(program, set(params), flat_parameter_plan(buckets, rank, degree), dropped, report)
+        for name, (lo, hi) in partial.items():  # this rank's Var of a parameter it holds part of: the flat piece
+            program.var(name).shape = (hi - lo,)
+        held = sum(hi - lo for lo, hi in pieces.values())
+        meta.update(param_layout="flat", param_buckets=[list(bucket.names) for bucket in buckets],
+                    param_pieces={name: list(piece) for name, piece in pieces.items()},
+                    owned=[p for p in params if p in pieces and p in updated])
+        report.notes.append(f"stage 3, {degree} ranks, flat parameter buckets split evenly: this rank (index {rank} in "
+                            f"its sharding group) holds {held} of {sum(sum(b.numels) for b in buckets)} elements, "
+                            f"pieces of {len(pieces)} of {len(params)} parameters, in {len(buckets)} buckets")
+        report.stats["owned_params"] = len(meta["owned"])
+        report.changed = True
+        return program, report
+
+    @staticmethod
+    def _shard_whole_parameters(program: Program, owners: dict[str, int], degree: int, rank: int, config: Any,
+                                report: PassReport) -> None:
+        shard_parameters(program, set(owners), whole_parameter_plan(program, owners, degree, rank, config),
+                         {p for p, owner in owners.items() if owner != rank}, report)
 
     def _defer_to_pipeline_stages(self, program: Program, meta: dict, config: Any,
                                   report: PassReport) -> tuple[Program, PassReport]:

@@ -1,15 +1,16 @@
-"""ZeRO stage 3 as a rewrite: parameters live only on their owners, and are all-gathered where they are used.
+"""ZeRO stage 3 as a rewrite: each rank holds only its part of the parameters, all-gathered where they are used.
 
-Every parameter of the Program has one owner (whole-parameter ownership, passes/sharding/plan.py, over
-all parameters, so a forward-only Program shards them exactly as the training Program does). The step has
-two phases, forward (up to the first backward op) and backward (the rest, recompute's replays included).
-In each phase the parameters are gathered in buckets of `segment_broadcast_MB`, in the order of their
-first use there: a bucket's `fleetc.c_sharding_param_gather_start` packs the owned parameters into this
-rank's segment and issues the all-gather; its `_wait`, right before the bucket's first use, returns the
-gathered owner-major buffer; `fleetc.gathered_params` views the foreign parameters out of it
-(`<param>@FULL` forward, `<param>@FULL_BW` backward). The runtime frees those views, and with them the
-buffer, after their last use; the backward gathers again. A foreign parameter's own Var is removed: this
-rank holds no copy of it between steps.
+Two layouts of that part (a `GatherPlan` says which): flat buckets split evenly across the ranks (the default,
+passes/sharding/flat_params.py: a rank holds a flat piece of some parameters) or whole-parameter ownership (where
+flat pieces do not apply: every parameter has one owner, passes/sharding/plan.py, over all parameters, so a
+forward-only Program shards them exactly as the training Program does). The step has two phases, forward (up to
+the first backward op) and backward (the rest, recompute's replays included). In each phase the parameters are
+gathered in buckets, in the order of their first use there: a bucket's `fleetc.c_sharding_param_gather_start`
+packs what this rank holds of it into its segment and issues the all-gather; its `_wait`, right before the
+bucket's first use, returns the gathered buffer; `fleetc.gathered_params` views the parameters this rank does not
+hold whole out of it (`<param>@FULL` forward, `<param>@FULL_BW` backward). The runtime frees those views, and
+with them the buffer, after their last use; the backward gathers again. The Var of a parameter this rank holds
+nothing of is removed: it holds no copy of it between steps.
 
 Prefetch: bucket i+1's gather is issued right after bucket i's wait, so it is in flight while bucket i's
 ops run (compiler-based FSDP's order; each decision is an op in the Program, visible in dump-ir). The
@@ -21,6 +22,8 @@ replayed in the backward from the backward's gather, so nothing gathered in the 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fleetc.comm.sharding_ops import owner_major_starts
@@ -45,15 +48,53 @@ def parameter_owners(program: Program, degree: int) -> dict[str, int]:
     return assign_owners(sizes, degree)
 
 
-def shard_parameters(program: Program, owners: dict[str, int], degree: int, rank: int, config: Any,
-                     report: PassReport) -> None:
-    """Gather the parameters before their uses in each phase, and drop this rank's copies of foreign ones."""
-    block = program.global_block
-    sizes = {p: var_numel(program.var(p)) for p in owners}
-    first_backward = next((i for i, op in enumerate(block.ops) if OpRole.BACKWARD in op.role), len(block.ops))
-    _replay_parameter_views(program, block, set(owners), first_backward, report)
-    phases = [(0, first_backward), (first_backward, len(block.ops))]
+@dataclass(frozen=True)
+class Gather:
+    """One bucket's all-gather: the parameters it brings whole, laid out at `starts` in a buffer of `segment`
+    elements per rank; this rank packs its Vars `sources` (whole parameters or flat pieces of them) consecutively
+    at the start of its segment; `local`: parameters this rank holds whole already (read as they are)."""
+
+    names: tuple[str, ...]
+    sources: tuple[str, ...]
+    starts: tuple[int, ...]
+    segment: int
+    ranks: int
+    local: frozenset[str]
+
+
+# Given the parameters a phase reads, in the order of their first use there: the gathers bringing them, in issue order.
+GatherPlan = Callable[[list[str]], list[Gather]]
+
+
+def whole_parameter_plan(program: Program, owners: dict[str, int], degree: int, rank: int, config: Any) -> GatherPlan:
+    """Whole-parameter ownership: each phase's parameters in buckets of `segment_broadcast_MB` by first use,
+    owner-major."""
     cap = config.sharding_configs.segment_broadcast_MB * MB
+    sizes = {p: var_numel(program.var(p)) for p in owners}
+
+    def plan(order: list[str]) -> list[Gather]:
+        position = {p: i for i, p in enumerate(order)}
+        buckets = plan_buckets([(p, program.var(p).dtype, program.var(p).nbytes()) for p in order], cap, cap,
+                               len(order))
+        buckets.sort(key=lambda b: min(position[p] for p in b.grads))
+        gathers = []
+        for bucket in buckets:
+            sharded = ShardedBucket.of(sorted(bucket.grads, key=position.__getitem__), owners, sizes, degree)
+            starts = owner_major_starts([sizes[p] for p in sharded.names], list(sharded.owners), sharded.segment)
+            mine = sharded.owned_by(rank)
+            gathers.append(Gather(sharded.names, tuple(mine), tuple(starts), sharded.segment, degree, frozenset(mine)))
+        return gathers
+    return plan
+
+
+def shard_parameters(program: Program, params: set[str], plan: GatherPlan, dropped: set[str],
+                     report: PassReport) -> None:
+    """Gather the parameters before their uses in each phase (`plan` lays the buckets out), and drop this rank's
+    Vars of `dropped` (parameters it holds no part of)."""
+    block = program.global_block
+    first_backward = next((i for i, op in enumerate(block.ops) if OpRole.BACKWARD in op.role), len(block.ops))
+    _replay_parameter_views(program, block, params, first_backward, report)
+    phases = [(0, first_backward), (first_backward, len(block.ops))]
     inserts: dict[int, list[Op]] = {}
     previous_wait: list[Op] | None = None  # carried into the backward: its first bucket is prefetched too
     for (suffix, role), (lo, hi) in zip(_PHASES, phases):
@@ -62,20 +103,16 @@ def shard_parameters(program: Program, owners: dict[str, int], degree: int, rank
             if OpRole.OPTIMIZE in block.ops[index].role:
                 continue  # an owner's update reads its own parameter
             for name in block_reads(program, block.ops[index]):
-                if name in owners:
+                if name in params:
                     first_use.setdefault(name, index)
         if not first_use:
             continue
         order = sorted(first_use, key=lambda p: (first_use[p], p))
-        buckets = plan_buckets([(p, program.var(p).dtype, program.var(p).nbytes()) for p in order], cap, cap,
-                               len(order))
-        buckets.sort(key=lambda b: min(first_use[p] for p in b.grads))
         renames: dict[str, str] = {}
-        for bucket in buckets:
-            names = sorted(bucket.grads, key=lambda p: first_use[p])
-            at = min(first_use[p] for p in names)
-            start, wait = _gather(program, block, ShardedBucket.of(names, owners, sizes, degree), degree, rank,
-                                  suffix, role, renames, report)
+        for gather in plan(order):
+            at = min(first_use[p] for p in gather.names if p in first_use)
+            start, wait = _gather(program, block, gather, [p for p in gather.names if p in first_use], suffix, role,
+                                  renames, report)
             # prefetch: issued right after the previous bucket's views, so it overlaps that bucket's compute (the
             # backward's first bucket: right after the forward's last, overlapping it, the loss and the first grads)
             (previous_wait if previous_wait is not None else inserts.setdefault(at, [])).append(start)
@@ -85,7 +122,7 @@ def shard_parameters(program: Program, owners: dict[str, int], degree: int, rank
             if OpRole.OPTIMIZE not in block.ops[index].role:
                 program.rename_reads(block.ops[index], renames)
     block.ops = [new for index, op in enumerate(block.ops) for new in [*inserts.get(index, ()), op]]
-    _drop_foreign(program, block, {p for p, owner in owners.items() if owner != rank})
+    _drop_foreign(program, block, dropped)
 
 
 def _replay_parameter_views(program: Program, block: Block, params: set[str], first_backward: int,
@@ -126,34 +163,34 @@ def _replay(program: Program, block: Block, name: str, chains: dict[str, Op], re
     return [*ops, copy]
 
 
-def _gather(program: Program, block: Block, bucket: ShardedBucket, degree: int, rank: int, suffix: str,
-            role: OpRole, renames: dict[str, str], report: PassReport) -> tuple[Op, list[Op]]:
-    """The ops gathering one bucket: the start, and the wait plus the views of the foreign parameters."""
-    first = program.var(bucket.names[0])
-    numels = [var_numel(program.var(p)) for p in bucket.names]
+def _gather(program: Program, block: Block, gather: Gather, used: list[str], suffix: str, role: OpRole,
+            renames: dict[str, str], report: PassReport) -> tuple[Op, list[Op]]:
+    """The ops gathering one bucket: the start, and the wait plus the views of the `used` parameters this rank does
+    not hold whole."""
+    first = program.var(gather.names[0])
     label = program.unique_name(f"param_gather{report.stats.get('param_gather_buckets', 0)}")
     report.count("param_gather_buckets")
     work = block.add_var(Var(program.unique_name(f"{label}@WORK"), None, "work", first.device))
-    flat = block.add_var(Var(program.unique_name(f"{label}@GATHERED"), (bucket.segment * degree,), first.dtype,
-                             first.device))
+    flat = block.add_var(Var(program.unique_name(f"{label}@GATHERED"), (gather.segment * gather.ranks,),
+                             first.dtype, first.device))
     attrs = {"op_role": int(OpRole.COLLECTIVE), "provenance": "sharding",
-             "module_path": common_module(program, list(bucket.names))}
+             "module_path": common_module(program, list(gather.names))}
     start = Op(program.unique_name(f"{label}_start"), GATHER_START,
-               ([Ref(p) for p in bucket.owned_by(rank)], bucket.segment, first.torch_dtype, first.device, GROUP, label),
+               ([Ref(p) for p in gather.sources], gather.segment, first.torch_dtype, first.device, GROUP, label),
                {}, [work.name], dict(attrs))
     wait = Op(program.unique_name(f"{label}_wait"), GATHER_WAIT, (Ref(work.name),), {}, [flat.name], dict(attrs))
-    starts = dict(zip(bucket.names, owner_major_starts(numels, list(bucket.owners), bucket.segment)))
-    foreign = [p for p, owner in zip(bucket.names, bucket.owners) if owner != rank]
-    if not foreign:
+    starts = dict(zip(gather.names, gather.starts))
+    viewed = [p for p in used if p not in gather.local]
+    if not viewed:
         return start, [wait]
-    for p in foreign:
+    for p in viewed:
         var = program.var(p)
         renames[p] = block.add_var(Var(program.unique_name(p + suffix), var.shape, var.dtype, var.device)).name
     views = Op(program.unique_name(f"{label}_params"), GATHERED_VIEWS,
-               (Ref(flat.name), [starts[p] for p in foreign], [list(program.var(p).shape) for p in foreign]), {},
-               [renames[p] for p in foreign],
+               (Ref(flat.name), [starts[p] for p in viewed], [list(program.var(p).shape) for p in viewed]),
+               {}, [renames[p] for p in viewed],
                {"op_role": int(role), "provenance": "sharding", "module_path": attrs["module_path"]})
-    report.count("gathered_param_views", len(foreign))
+    report.count("gathered_param_views", len(viewed))
     return start, [wait, views]
 
 

@@ -53,7 +53,7 @@ def test_flat_buckets_split_evenly_and_every_element_has_one_rank():
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_every_rank_of_a_group_runs_the_pass_and_the_estimate_agrees(stage):
     """Each of 4 ranks' Programs updates exactly the parameters the estimate gives it, holds that optimizer
-    state and those parameters (stage 3: its own), and (stages 2, 3) keeps that many gradient bytes; every
+    state and those parameters (stage 3: its flat pieces), and (stages 2, 3) keeps that many gradient bytes; every
     parameter has one owner."""
     program = captured_program("gpt")
     unsharded, _ = run_data_parallel_passes(program, 4)
@@ -69,12 +69,12 @@ def test_every_rank_of_a_group_runs_the_pass_and_the_estimate_agrees(stage):
         state = sum(v.nbytes() for v in final.persistables() if v.kind is VarKind.OPTIMIZER_STATE)
         assert state == plans[rank].optimizer_state_bytes
         params = sum(v.nbytes() for v in final.persistables() if v.kind is VarKind.PARAM)
-        assert params == plans[rank].parameter_bytes  # stage 3: only the parameters the rank owns
+        assert params == plans[rank].parameter_bytes  # stage 3: only its pieces of the parameters
         if stage >= 2:
             shards = [final.var(op.outputs[0]).nbytes() for _, op in final.walk_ops() if op.type == RS_WAIT]
             assert sum(shards) == plans[rank].gradient_bytes
         assert "sharding" in [r.name for r in history]
-    if stage == 2:  # flat buckets split evenly: a parameter may be updated in pieces by several ranks
+    if stage >= 2:  # flat buckets split evenly: a parameter may be updated in pieces by several ranks
         assert set(owned) == set(unsharded.metadata["optimizer"]["grads"]) and len(owned) > len(set(owned))
     else:
         assert sorted(owned) == sorted(unsharded.metadata["optimizer"]["grads"])
