@@ -3,6 +3,7 @@
     python scripts/support_matrix.py            # run every architecture under every preset, rewrite the table
     python scripts/support_matrix.py --check    # run again; exit 1 and show the differences if the table is stale
     python scripts/support_matrix.py --check --only gpt2   # check gpt2's row alone
+    python scripts/support_matrix.py --only mobilenet_v2   # rerun one row; README.md's other rows stay as committed
     python scripts/support_matrix.py --only gpt2,bert --out matrix.md   # a partial run, written elsewhere
     python scripts/support_matrix.py --jobs 3 2> progress.log   # later, after an interruption:
     python scripts/support_matrix.py --jobs 3 --resume progress.log   # runs only what progress.log lacks
@@ -109,6 +110,14 @@ def stale_rows(committed_table: str, fresh: dict[str, dict[str, str]]) -> list[s
     return list(difflib.unified_diff(old_lines, new_lines, "README.md (committed)", "fresh run"))
 
 
+def merged_rows(committed_table: str, fresh: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
+    """The committed table's rows with those of `fresh` (a run of some or all architectures) replacing theirs, in
+    ARCHITECTURES order; a full run replaces every row."""
+    old = parse(committed_table) if set(fresh) != set(ARCHITECTURES) else {}
+    rows = {**old, **fresh}
+    return {name: rows[name] for name in ARCHITECTURES if name in rows}
+
+
 def committed(readme: str) -> str:
     """The table between the support-matrix markers of README.md's text."""
     if BEGIN not in readme or END not in readme:
@@ -145,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         pathlib.Path(options.out).write_text(fresh + "\n")
     else:
         head, _, rest = readme.partition(BEGIN)
-        readme_path.write_text(f"{head}{BEGIN}\n{fresh}\n{END}{rest.partition(END)[2]}")
+        merged = table(merged_rows(committed(readme), cells))
+        readme_path.write_text(f"{head}{BEGIN}\n{merged}\n{END}{rest.partition(END)[2]}")
     return 0
 
 

@@ -5,6 +5,7 @@ configs are as small as each architecture allows (2 layers, width 32) so one dif
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -54,9 +55,9 @@ def _class_batch(g: torch.Generator) -> tuple[tuple, dict]:
     return (_tokens(g), torch.randint(0, 3, (BATCH,), generator=g)), {}
 
 
-def _image_batch(size: int = 32, classes: int = 3) -> Callable:
+def _image_batch(size: int = 32, classes: int = 3, batch: int = BATCH) -> Callable:
     def make(g: torch.Generator) -> tuple[tuple, dict]:
-        return (torch.randn(BATCH, 3, size, size, generator=g), torch.randint(0, classes, (BATCH,), generator=g)), {}
+        return (torch.randn(batch, 3, size, size, generator=g), torch.randint(0, classes, (batch,), generator=g)), {}
     return make
 
 
@@ -230,8 +231,24 @@ def resnet() -> ModelCase:
 
 
 def mobilenet_v2() -> ModelCase:
-    return _hf("MobileNetV2Config", "MobileNetV2ForImageClassification", _image_batch(), _class_loss, image_size=32,
-               depth_multiplier=0.25, num_labels=3)
+    """Sized so that a few SGD steps are stable to rounding (docs/models.md, "MobileNetV2's configuration"):
+    BatchNorm sees at least 4 x 8 x 8 values per channel (batch 4, 64x64 images, output_stride 8 dilates the last
+    stages instead of shrinking their maps to 2x2), the head has 320 features instead of 1280 (finegrained_output
+    off), classifier dropout is off, and the convolutions are initialized as torchvision's MobileNetV2 does
+    (kaiming fan_out): transformers' std 0.02 makes the first SGD step change the early convolutions by more than
+    their own norm (BatchNorm makes them scale-invariant), which left float64 training several % from float32's."""
+    case = _hf("MobileNetV2Config", "MobileNetV2ForImageClassification", _image_batch(64, batch=4), _class_loss,
+               image_size=64, depth_multiplier=0.25, output_stride=8, finegrained_output=False,
+               classifier_dropout_prob=0.0, num_labels=3)
+    make = case.make_model
+
+    def make_model() -> nn.Module:
+        model = make()
+        for module in model.modules():
+            if isinstance(module, nn.Conv2d):
+                nn.init.kaiming_normal_(module.weight, mode="fan_out")
+        return model
+    return dataclasses.replace(case, make_model=make_model)
 
 
 def wav2vec2() -> ModelCase:

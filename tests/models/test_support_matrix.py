@@ -42,6 +42,16 @@ def test_check_reports_a_changed_cell(committed):
     assert sum(line.startswith(("-|", "+|")) for line in diff.splitlines()) == 2
 
 
+def test_a_partial_run_replaces_its_rows_only(committed):
+    cells = support_matrix.parse(committed)
+    name = list(cells)[1]
+    fresh = {name: {**cells[name], "amp_bf16": "fail: other"}}
+    merged = support_matrix.merged_rows(committed, fresh)
+    assert list(merged) == list(ARCHITECTURES)
+    assert merged == {**cells, **fresh}
+    assert support_matrix.merged_rows(committed, cells) == cells  # a full run replaces every row
+
+
 def test_a_hand_edited_table_is_refused(committed):
     lines = committed.splitlines()
     with pytest.raises(SystemExit, match="line 3 of the support matrix"):
