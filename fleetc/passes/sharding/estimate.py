@@ -10,9 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fleetc.ir.program import Program, VarKind
-from fleetc.passes.data_parallel.common import WAIT, var_numel
+from fleetc.passes.data_parallel.common import var_numel
 from fleetc.passes.data_parallel.merged import merged_values
-from fleetc.passes.sharding.flat_sharding import flat_refusal, rank_pieces
+from fleetc.passes.sharding.flat_sharding import (
+    flat_refusal,
+    gradient_buckets,
+    rank_pieces,
+)
 from fleetc.passes.sharding.optimizer_sharding import update_ops
 from fleetc.passes.sharding.param_sharding import parameter_owners
 from fleetc.passes.sharding.plan import FlatBucket, ShardedBucket, assign_owners
@@ -35,8 +39,8 @@ def rank_plans(program: Program, degree: int, stage: int) -> list[RankPlan]:
     """The plan of each rank of a sharding group of `degree`, from a data-parallel Program not yet sharded."""
     params = list(dict.fromkeys(op.attrs["param"] for ops in update_ops(program).values() for op in ops))
     sizes = {p: var_numel(program.var(p)) for p in params}
-    buckets = [] if merged_values(program) or stage < 2 else [
-        [g.removesuffix("@GRAD") for g in op.outputs] for op in program.global_block.ops if op.type == WAIT]
+    # gradient merge: the estimate keeps whole-parameter ownership (its whole accumulators are the gradients held)
+    buckets = [] if stage < 2 or merged_values(program) else gradient_buckets(program)
     flat = [FlatBucket.of(b, sizes, degree) for b in buckets] \
         if stage == 2 and flat_refusal(program, update_ops(program), buckets, params) is None else None
     owners = parameter_owners(program, degree) if stage == 3 else assign_owners(sizes, degree, buckets or None)
