@@ -231,6 +231,9 @@ def test_stages_2_and_3_compose_with_amp_gradient_merge_and_recompute(tmp_path, 
             assert amp["report"]["sharding"]["params_split"] >= 1
             assert merged["report"]["sharding"]["params_split"] >= 1
             assert merged["report"]["sharding"]["reduce_scatter_buckets"] == 1  # once per k steps, in the update
+            for run in (amp, merged):  # parameter + gradient + state bytes beside the formula's fp32 row
+                memory = run["memory"]
+                assert abs(memory["total_bytes"] - memory["formula_bytes"]) <= 0.1 * memory["formula_bytes"], memory
         assert merged["report"]["sharding"]["owned_params"] > 0
 
 

@@ -120,8 +120,6 @@ class Sharding:
         buckets = gradient_buckets(program) if stage == 2 else []
         if stage != 2:
             refusal = "stage 1 or 3"
-        elif meta.get("per_stage"):  # the pipeline runtime binds whole optimizer state to each stage
-            refusal = "under a pipeline, each stage's optimizer state is bound whole (flat pieces not yet)"
         else:
             refusal = flat_refusal(program, updates, buckets, params)
         if refusal is None:
