@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from fleetc.capture.optimizer_state import initialize_state
-from fleetc.errors import CheckpointError
+from fleetc.errors import CheckpointError, StrategyError
 from fleetc.ir.program import FLEETC_OWNED_KINDS, Program, Var, VarKind
 from fleetc.ops.optimizer import MASTER_KEY
 
@@ -55,9 +55,9 @@ class StateBinding:
         the shapes and flat-bucket pieces it declares, instead of the whole Program's."""
         shapes = {v.name: torch.Size(v.shape) for v in program.persistables() if v.kind is VarKind.OPTIMIZER_STATE}
         for name, piece in program.metadata.get("state_pieces", {}).items():
-            if self.pieces.setdefault(name, tuple(piece)) != tuple(piece):
-                raise CheckpointError(f"optimizer state {name!r} is cut into different pieces by two pipeline "
-                                      "stages of this rank; run one stage per rank with flat sharding stage 2")
+            if tuple(self.pieces.setdefault(name, tuple(piece))) != tuple(piece):
+                raise StrategyError(f"sharding stage 2: optimizer state {name!r} is cut into different pieces by two "
+                                    "pipeline stages of this rank; run one stage per rank with sharding")
         self.optimizer_state = [(n, param, key, shapes.get(n, shape), dtype)
                                 for n, param, key, shape, dtype in self.optimizer_state]
 
