@@ -39,8 +39,8 @@ def rank_plans(program: Program, degree: int, stage: int) -> list[RankPlan]:
     """The plan of each rank of a sharding group of `degree`, from a data-parallel Program not yet sharded."""
     params = list(dict.fromkeys(op.attrs["param"] for ops in update_ops(program).values() for op in ops))
     sizes = {p: var_numel(program.var(p)) for p in params}
-    # gradient merge: the estimate keeps whole-parameter ownership (its whole accumulators are the gradients held)
-    buckets = [] if stage < 2 or merged_values(program) else gradient_buckets(program)
+    # stage 3 under gradient merge keeps whole gradients (its accumulators are allreduced whole)
+    buckets = [] if stage < 2 or (stage == 3 and merged_values(program)) else gradient_buckets(program)
     flat = [FlatBucket.of(b, sizes, degree) for b in buckets] \
         if stage == 2 and flat_refusal(program, update_ops(program), buckets, params) is None else None
     owners = parameter_owners(program, degree) if stage == 3 else assign_owners(sizes, degree, buckets or None)

@@ -8,10 +8,12 @@ from helpers.data_parallel import captured_program, run_data_parallel_passes
 import fleetc
 from fleetc.comm.mesh import ProcessMesh
 from fleetc.fleet.trainer import sharding_metadata
+from fleetc.ir.program import VarKind
 from fleetc.passes.data_parallel.common import START
 from fleetc.passes.data_parallel.merged import update_block
 from fleetc.passes.sharding.clip_sharding import NORM_SUM
-from fleetc.passes.sharding.optimizer_sharding import FOUND_INF_MAX, RS_START
+from fleetc.passes.sharding.estimate import rank_plans
+from fleetc.passes.sharding.optimizer_sharding import FOUND_INF_MAX, RS_START, RS_WAIT
 
 STAGE_2 = {"sharding": True, "sharding_configs": {"stage": 2, "sharding_degree": 2}}
 MERGE = {"gradient_merge": True, "gradient_merge_configs": {"k_steps": 2}}
@@ -55,6 +57,12 @@ def test_gradient_merge_reduce_scatters_the_accumulators_once_per_k_steps(mlp):
     assert accumulators <= zeroed  # every one, whole
     assert all(final.var(a).shape == final.var(a.removesuffix("@GRAD@MERGE")).shape for a in accumulators)
     assert report.stats["params_split"] >= 1
+    unsharded, _ = run_data_parallel_passes(mlp, 2, **MERGE)
+    plan = rank_plans(unsharded, 2, 2)[0]  # the pre-launch estimate plans the same pieces
+    assert plan.owned_params == len(final.metadata["sharding"]["owned"])
+    assert plan.optimizer_state_bytes == sum(v.nbytes() for v in final.persistables()
+                                             if v.kind is VarKind.OPTIMIZER_STATE)
+    assert plan.gradient_bytes == sum(final.var(op.outputs[0]).nbytes() for op in block.ops if op.type == RS_WAIT)
 
 
 @pytest.mark.parametrize("clip, fields, reason", [
