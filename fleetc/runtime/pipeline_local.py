@@ -63,6 +63,9 @@ class PipelineExecutor:
                     if s not in self.holders.setdefault(var.name, []):
                         self.holders[var.name].append(s)
         self.binding.keep_only(set(self.holders))  # no optimizer state for other ranks' stages or shards
+        for s in self.chunks:  # sharding stage 2 cuts a stage's state into flat-bucket pieces
+            if "optimizer" in plan.stages[s].phases:
+                self.binding.take_pieces(plan.stages[s].phases["optimizer"])
         self.copies: dict[tuple[int, str], torch.Tensor] = {}
         # the action after which a (chunk, micro-batch)'s values are dead: its activations are freed there, so a
         # schedule holds only the micro-batches it has in flight (1F1B: at most p), not every one until the update

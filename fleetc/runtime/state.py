@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from fleetc.capture.optimizer_state import initialize_state
-from fleetc.errors import CheckpointError
+from fleetc.errors import CheckpointError, StrategyError
 from fleetc.ir.program import FLEETC_OWNED_KINDS, Program, Var, VarKind
 from fleetc.ops.optimizer import MASTER_KEY
 
@@ -31,7 +31,7 @@ class StateBinding:
         self.optimizer_state: list[tuple[str, torch.Tensor, str, torch.Size, torch.dtype]] = []
         bindings = program.metadata.get("state_bindings", {})
         # sharding stage 2 on flat buckets: state Var → the [lo, hi) of the flattened state this rank keeps
-        self.pieces: dict[str, tuple[int, int]] = program.metadata.get("state_pieces", {})
+        self.pieces: dict[str, tuple[int, int]] = dict(program.metadata.get("state_pieces", {}))
         self._convert_params(program, named)
         for var in program.persistables():
             if var.kind in (VarKind.PARAM, VarKind.BUFFER):
@@ -49,6 +49,17 @@ class StateBinding:
         """Resolve only the optimizer state among `names` from now on: state no Program of this process reads (a
         pipeline rank's other stages, a sharding rank's foreign parameters) is then never created here."""
         self.optimizer_state = [entry for entry in self.optimizer_state if entry[0] in names]
+
+    def take_pieces(self, program: Program) -> None:
+        """Bind the optimizer state of `program` (a pipeline stage's optimizer Program, sharded on its own) with
+        the shapes and flat-bucket pieces it declares, instead of the whole Program's."""
+        shapes = {v.name: torch.Size(v.shape) for v in program.persistables() if v.kind is VarKind.OPTIMIZER_STATE}
+        for name, piece in program.metadata.get("state_pieces", {}).items():
+            if tuple(self.pieces.setdefault(name, tuple(piece))) != tuple(piece):
+                raise StrategyError(f"sharding stage 2: optimizer state {name!r} is cut into different pieces by two "
+                                    "pipeline stages of this rank; run one stage per rank with sharding")
+        self.optimizer_state = [(n, param, key, shapes.get(n, shape), dtype)
+                                for n, param, key, shape, dtype in self.optimizer_state]
 
     def _convert_params(self, program: Program, named: dict[str, torch.Tensor]) -> None:
         """amp use_pure_fp16 declares parameters in low precision: convert the module's own parameters in place

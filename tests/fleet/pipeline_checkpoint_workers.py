@@ -26,6 +26,9 @@ def _trainer(args: dict, seed: int):
                                  "accumulate_steps": args["microbatches"], "schedule_mode": args["mode"]}
     strategy.gradient_merge = True
     strategy.gradient_merge_configs = {"k_steps": args["k_steps"]}
+    if args.get("amp_configs"):
+        strategy.amp = True
+        strategy.amp_configs = args["amp_configs"]
     opt = fleet.distributed_optimizer(OPTIMIZERS[optimizer_name](model.parameters()), strategy)
     return model, fleetc.compile(model, optimizer=opt, loss_fn=ZOO[args["model"]].loss_fn)
 
@@ -39,12 +42,14 @@ def _batches(args: dict, rank: int) -> list[tuple]:
 
 
 def _finish(rank: int, model, trainer, losses: list[float], out_dir: str) -> None:
-    """Saves the losses, this rank's stage parameters and their Adam `exp_avg`."""
+    """Saves the losses, this rank's stage parameters, their Adam `exp_avg` and fleetc's counters (AMP's
+    loss-scaling state)."""
     pipe = trainer._last_train.pipeline
     named = dict(model.named_parameters())
     held = pipe.plan.stages[pipe.ranks_here[0]].params
     torch.save({"losses": losses, "params": {n: named[n].detach().clone() for n in held},
-                "exp_avg": {n: trainer.optimizer.state[named[n]]["exp_avg"].clone() for n in held}},
+                "exp_avg": {n: trainer.optimizer.state[named[n]]["exp_avg"].clone() for n in held},
+                "counters": {n: v.clone() for n, v in trainer.counters.items()}},
                os.path.join(out_dir, f"rank{rank}.pt"))
     fleet.barrier_worker()
     fleet.stop_worker()

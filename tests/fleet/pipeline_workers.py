@@ -87,7 +87,10 @@ def fleet_train(rank: int, args: dict, out_dir: str) -> None:
     optimizer_program = pipe.plan.stages[pipe.ranks_here[0]].phases["optimizer"]
     sharding = {"owned": sorted(trainer._owned or ()),
                 "optimizer_ops": [op.type for op in optimizer_program.global_block.ops],
-                "state": sorted(n for n, p in model.named_parameters() if trainer.optimizer.state.get(p))}
+                "state": sorted(n for n, p in model.named_parameters() if trainer.optimizer.state.get(p)),
+                "state_pieces": len(optimizer_program.metadata.get("state_pieces", {})),
+                "state_elements": sum(t.numel() for slot in trainer.optimizer.state.values() for t in slot.values()
+                                      if isinstance(t, torch.Tensor) and t.dim() > 0)}
     if args.get("sharding_stage"):  # refused by name on every rank (none waits for the others)
         try:
             fleet.save_persistables(os.path.join(out_dir, "checkpoint"))

@@ -83,6 +83,27 @@ def test_stages_write_their_parts_and_the_job_resumes_from_them(tmp_path):
         assert torch.equal(trainer.optimizer.state[p]["exp_avg"], exp_avg[name]), name
 
 
+def test_amp_loss_scaling_state_round_trips_through_the_stage_parts(tmp_path):
+    """AMP with a scale that grows after every clean update: saved at an update boundary (after 4 steps, 2 updates),
+    new processes with other weights resume with the same scale and counters on both stages, and the next steps
+    equal the uninterrupted run's, bit for bit."""
+    amp = {"init_loss_scaling": 1024.0, "incr_every_n_steps": 1}
+    args = {**ARGS, "steps": 6, "amp_configs": amp, "saves": {"4": str(tmp_path / "boundary")}, "resume_after": 4}
+    straight = _run("uninterrupted", args, tmp_path / "straight")
+    version = checkpoint_commit.open_latest(tmp_path / "boundary", ())
+    stored = {name: value for part in map(version.read, version.meta["pipeline_parts"])
+              for name, value in part["owned"].items()}
+    assert float(stored["loss_scaling"]) == 1024.0 * 2 ** 2  # grown once per clean update, stored once
+    resumed = _run("resumed", args, tmp_path / "resumed")
+    for before, after in zip(straight, resumed):
+        assert float(before.result["counters"]["loss_scaling"]) == 1024.0 * 2 ** 3
+        assert after.result["losses"] == before.result["losses"][4:]
+        for name, value in before.result["counters"].items():
+            assert torch.equal(after.result["counters"][name], value), f"rank {after.rank} {name}"
+        for name, value in after.result["params"].items():
+            assert torch.equal(value, before.result["params"][name]), f"rank {after.rank} {name}"
+
+
 @pytest.mark.skipif(not os.environ.get("FLEETC_FULL"), reason="4 processes on 2 cores: FLEETC_FULL=1 runs it; CI "
                     "runs pp x dp in passes/pipeline_parallel/test_replicas.py and this checkpoint on 2 processes")
 def test_pp_times_dp_resumes_mid_period_from_the_replicas_average(tmp_path):

@@ -195,8 +195,8 @@ def stage_2_beside_plain_data_parallel(strategy: dict, zoo: str = "mlp", steps: 
 
 
 # Stage 2 must train exactly as unsharded data parallel does under each composed strategy (which itself matches
-# eager training in test_data_parallel.py): AMP (each rank checks its shards, found_inf max-allreduced), gradient
-# merge (accumulators allreduced once per k steps), recompute.
+# eager training in test_data_parallel.py): AMP (each rank checks its pieces of the flat buckets, found_inf
+# max-allreduced), gradient merge (whole accumulators reduce-scattered flat once per k steps), recompute.
 COMPOSED = [
     *stage_2_beside_plain_data_parallel({"amp": True}),
     *stage_2_beside_plain_data_parallel({"gradient_merge": True, "gradient_merge_configs": {"k_steps": 2}}, steps=4),
@@ -229,6 +229,13 @@ def test_stages_2_and_3_compose_with_amp_gradient_merge_and_recompute(tmp_path, 
             assert any(not torch.equal(plain["initial"][k], v) for k, v in plain["state"].items())
         amp, merged = runs[1], runs[3]
         assert amp["report"]["sharding"]["found_inf_allreduces"] == 1
+        if composed is COMPOSED:  # stage 2 under AMP and gradient merge on flat buckets: fc2.weight is cut in two
+            assert amp["report"]["sharding"]["params_split"] >= 1
+            assert merged["report"]["sharding"]["params_split"] >= 1
+            assert merged["report"]["sharding"]["reduce_scatter_buckets"] == 1  # once per k steps, in the update
+            for run in (amp, merged):  # parameter + gradient + state bytes beside the formula's fp32 row
+                memory = run["memory"]
+                assert abs(memory["total_bytes"] - memory["formula_bytes"]) <= 0.1 * memory["formula_bytes"], memory
         assert merged["report"]["sharding"]["owned_params"] > 0
 
 
@@ -244,14 +251,18 @@ def test_a_dead_rank_in_the_reduce_scatter_fails_the_survivor_within_the_timeout
 
 # Global-norm clipping where each rank keeps only its gradient shards: the squared norm of the kept gradients is
 # summed over the sharding group, so every rank clips by the norm of all of them, as unsharded data parallel does
-# (itself checked against eager in test_data_parallel.py); under AMP each rank clips the shards it unscaled.
+# (itself checked against eager in test_data_parallel.py); under AMP each rank clips the shards it unscaled. Stage 2
+# splits the mlp's one bucket evenly, so a rank's pieces cut fc2.weight and the padding is in no piece.
+# Under gradient merge each rank clips its pieces of the merged gradients, reduce-scattered once per k steps.
 # clip_norm 0.05 clips every step of the mlp.
 def clipped(strategy: dict, clip: list | None = ("global_norm", 0.05)) -> dict:
     return {"optimizer": "adam", "steps": 3, "grad_clip": list(clip) if clip else None, "strategy": strategy}
 
 
+MERGED = {"gradient_merge": True, "gradient_merge_configs": {"k_steps": 2}}
 CLIPPED = [clipped({}), clipped(sharded(2)), clipped(sharded(3)), clipped({"amp": True}),
-           clipped({**sharded(2), "amp": True}), clipped({}, clip=None)]
+           clipped({**sharded(2), "amp": True}), clipped({}, clip=None), clipped(MERGED),
+           clipped({**sharded(2), **MERGED})]
 
 
 @pytest.mark.slow
@@ -260,9 +271,11 @@ def test_global_norm_clipping_under_stages_2_and_3_equals_data_parallel(tmp_path
                     module="fleet.optimizer_workers")
     assert_all_ok(results)
     for result in results:
-        plain, stage_2, stage_3, amp, stage_2_amp, unclipped = result.result
-        for reference, run in ((plain, stage_2), (plain, stage_3), (amp, stage_2_amp)):
+        plain, stage_2, stage_3, amp, stage_2_amp, unclipped, merged, stage_2_merged = result.result
+        for reference, run in ((plain, stage_2), (plain, stage_3), (amp, stage_2_amp), (merged, stage_2_merged)):
             assert run["stats"]["sharding"]["clip_norm_allreduces"] == 1
+            if run is not stage_3:  # stage 2 on flat buckets: the norm of the pieces, padding in none of them
+                assert run["stats"]["sharding"]["params_split"] >= 1
             for name, value in reference["state"].items():
                 torch.testing.assert_close(run["state"][name], value, msg=lambda m, name=name: f"{name}: {m}")
         assert any(not torch.allclose(unclipped["state"][k], v) for k, v in plain["state"].items())

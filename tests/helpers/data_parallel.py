@@ -35,8 +35,9 @@ def captured_program(zoo_name: str) -> Program:
     return trainer.history["remove_noop_views"].program
 
 
-def run_data_parallel_passes(program: Program, world: int = 2, **fields) -> tuple[Program, History]:
-    """The default pass order (without no-op view removal) on a copy of `program` stamped as `world` ranks."""
+def run_data_parallel_passes(program: Program, world: int = 2, grad_clip=None, **fields) -> tuple[Program, History]:
+    """The default pass order (without no-op view removal) on a copy of `program` stamped as `world` ranks (with
+    `fleetc.compile`'s `grad_clip`, if given)."""
     program = program.clone()
     program.metadata["data_parallel"] = {"world_size": world}
     strategy = fleetc.DistributedStrategy()
@@ -44,7 +45,7 @@ def run_data_parallel_passes(program: Program, world: int = 2, **fields) -> tupl
         setattr(strategy, key, value)
     history = History([PassRecord("start", program, PassReport("start"), 0.0, estimate_memory(program))])
     config = resolve_strategy(strategy)
-    passes = [p for p in ordered_passes(config) if p.name != "remove_noop_views"]  # the fixture ran it already
+    passes = [p for p in ordered_passes(config, grad_clip=grad_clip) if p.name != "remove_noop_views"]  # the fixture ran it already
     final = PassManager(passes, [VerifyInstrument()]).run(program, config, history)
     return final, history
 

@@ -17,8 +17,10 @@ CLIP_OPS = ("fleetc.squared_global_norm", "fleetc.clip_by_global_norm", "fleetc.
 NORM_SUM = "fleetc.c_sharding_norm_sum"
 
 
-def clip_kept_gradients(program: Program, group: str, report: PassReport) -> None:
-    """Narrow the clip ops to the gradients that still exist here; sum the squared global norm over `group`."""
+def clip_kept_gradients(program: Program, group: str, report: PassReport, foreign: frozenset[str] = frozenset()) -> None:
+    """Narrow the clip ops to the gradients that still exist here, less `foreign` (gradient merge's accumulators of
+    parameters this rank has no piece of: persistent, so they exist, but not averaged); sum the squared global norm
+    over `group`."""
     available = {v.name for v in program.persistables()} | set(program.feeds) | {
         name for _, op in program.walk_ops() for name in op.defined}
     for block in program.blocks:
@@ -27,7 +29,7 @@ def clip_kept_gradients(program: Program, group: str, report: PassReport) -> Non
             if op.type not in CLIP_OPS:
                 ops.append(op)
                 continue
-            kept = [ref for ref in op.args[0] if ref.name in available]
+            kept = [ref for ref in op.args[0] if ref.name in available and ref.name not in foreign]
             if op.type == "fleetc.squared_global_norm":
                 op.args = (kept, *op.args[1:])
                 ops += [op, _sum_over_ranks(program, block, op, group)]

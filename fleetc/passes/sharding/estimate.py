@@ -10,10 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fleetc.ir.program import Program, Var, VarKind
-from fleetc.passes.data_parallel.common import WAIT, var_numel
+from fleetc.passes.data_parallel.common import var_numel
 from fleetc.passes.data_parallel.merged import merged_values
 from fleetc.passes.sharding.flat_params import flat_params_refusal, parameter_buckets
-from fleetc.passes.sharding.flat_sharding import flat_refusal, rank_pieces
+from fleetc.passes.sharding.flat_sharding import (
+    flat_refusal,
+    gradient_buckets,
+    rank_pieces,
+)
 from fleetc.passes.sharding.optimizer_sharding import update_ops
 from fleetc.passes.sharding.param_sharding import parameter_owners
 from fleetc.passes.sharding.plan import FlatBucket, ShardedBucket, assign_owners
@@ -37,8 +41,8 @@ def rank_plans(program: Program, degree: int, stage: int, segment_mb: float = 32
     (`segment_mb`: `sharding_configs.segment_broadcast_MB`, stage 3's parameter buckets)."""
     params = list(dict.fromkeys(op.attrs["param"] for ops in update_ops(program).values() for op in ops))
     sizes = {p: var_numel(program.var(p)) for p in params}
-    buckets = [] if merged_values(program) or stage < 2 else [
-        [g.removesuffix("@GRAD") for g in op.outputs] for op in program.global_block.ops if op.type == WAIT]
+    # stage 3 under gradient merge keeps whole gradients (its accumulators are allreduced whole)
+    buckets = [] if stage < 2 or (stage == 3 and merged_values(program)) else gradient_buckets(program)
     flat = [FlatBucket.of(b, sizes, degree) for b in buckets] \
         if stage == 2 and flat_refusal(program, update_ops(program), buckets, params) is None else None
     owners = parameter_owners(program, degree) if stage == 3 else assign_owners(sizes, degree, buckets or None)

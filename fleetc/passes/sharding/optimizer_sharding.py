@@ -39,7 +39,7 @@ from fleetc.passes.data_parallel.common import (
     common_module,
     var_numel,
 )
-from fleetc.passes.data_parallel.merged import merged_values
+from fleetc.passes.data_parallel.merged import merged_values, update_block
 from fleetc.passes.pipeline_parallel.stages import pipelined
 from fleetc.passes.sharding.clip_sharding import clip_kept_gradients
 from fleetc.passes.sharding.flat_params import (
@@ -54,9 +54,12 @@ from fleetc.passes.sharding.flat_params import (
 from fleetc.passes.sharding.flat_sharding import (
     flat_gathers,
     flat_refusal,
+    gradient_buckets,
     piece_updates,
     rank_pieces,
+    update_gradients,
 )
+from fleetc.passes.sharding.merged_sharding import scatter_merged
 from fleetc.passes.sharding.param_sharding import (
     parameter_owners,
     shard_parameters,
@@ -133,24 +136,31 @@ class Sharding:
             return program, report
         params = list(dict.fromkeys(op.attrs["param"] for ops in updates.values() for op in ops))
         sizes = {p: var_numel(program.var(p)) for p in params}
-        buckets = self._gradient_buckets(program) if stage == 2 else []
+        buckets = gradient_buckets(program) if stage == 2 else []
         if stage != 2:
             refusal = "stage 1 or 3"
-        elif meta.get("per_stage"):  # the pipeline runtime binds whole optimizer state to each stage
-            refusal = "under a pipeline, each stage's optimizer state is bound whole (flat pieces not yet)"
         else:
             refusal = flat_refusal(program, updates, buckets, params)
         if refusal is None:
             flat = [FlatBucket.of(bucket, sizes, degree) for bucket in buckets]
             pieces = rank_pieces(flat, rank)
             foreign = {p for p in params if p not in pieces}
+            dp_group = DP_GROUP if meta.get("dp_degree", 1) > 1 else ""
+            gradients = update_gradients(program, params)
+            if merged_values(program):
+                gradients.update(scatter_merged(program, flat, rank, degree, GROUP, dp_group, report))
             for block_idx in updates:
                 self._shard_updates(program, program.blocks[block_idx], foreign, set(params),
                                     lambda _: flat_gathers(program, flat, report), report)
-            piece_updates(program, updates, pieces, report)
-            layouts = {bucket.names: (bucket.starts, bucket.segment, bucket.padding(degree),
-                                      [name for name, _, _ in bucket.pieces(rank)]) for bucket in flat}
-            self._reduce_scatter(program, lambda names: layouts[tuple(names)], foreign, meta, report)
+            piece_updates(program, updates, pieces, gradients, report)
+            if merged_values(program):  # AMP and clipping in the update block read pieces of the merged gradients
+                self._check_finite_over_ranks(program, update_block(program), {gradients[p] for p in foreign},
+                                              dp_group, report)
+                clip_kept_gradients(program, GROUP, report, frozenset(gradients[p] for p in foreign))
+            else:
+                layouts = {bucket.names: (bucket.starts, bucket.segment, bucket.padding(degree),
+                                          [name for name, _, _ in bucket.pieces(rank)]) for bucket in flat}
+                self._reduce_scatter(program, lambda names: layouts[tuple(names)], foreign, meta, report)
             owned = sum(hi - lo for lo, hi in pieces.values())
             report.notes.append(f"stage 2, {degree} ranks, flat buckets split evenly: this rank (index {rank} in its "
                                 f"sharding group) updates {owned} of {sum(sizes.values())} elements, pieces of "
@@ -242,13 +252,6 @@ class Sharding:
                             "optimizer Program, over that stage's sharding group (see pipeline_split)")
         report.changed = True
         return program, report
-
-    @staticmethod
-    def _gradient_buckets(program: Program) -> list[list[str]]:
-        """The parameters behind each gradient bucket (none under gradient merge, whose accumulators stay whole)."""
-        if merged_values(program):
-            return []
-        return [[g.removesuffix("@GRAD") for g in op.outputs] for op in program.global_block.ops if op.type == WAIT]
 
     @staticmethod
     def _owner_major(names: list[str], owners: dict[str, int], sizes: dict[str, int], degree: int,

@@ -47,10 +47,16 @@ def test_each_stage_updates_only_what_its_sharding_rank_owns(stage):
         assert program.metadata["collective_groups"]["sharding"] == MESH.groups("sharding")
         assert f"sharding stage {stage}: in each stage's optimizer Program" in plan.describe()
     assert runs[0][1].describe() == runs[1][1].describe()  # what the ranks compare before the first step
+    cut_anywhere = set()
     for s in range(2):
         stage_params = set(runs[0][1].stages[s].params)
         owned = [_updated(plan.stages[s].phases["optimizer"]) for _, plan, _ in runs]
-        assert owned[0] and owned[1] and not owned[0] & owned[1] and owned[0] | owned[1] == stage_params
+        assert owned[0] and owned[1] and owned[0] | owned[1] == stage_params
+        for _, plan, _ in runs:  # stage 2 on flat buckets: a parameter cut between the ranks, each updating a piece
+            optimizer = plan.stages[s].phases["optimizer"]
+            cut = {optimizer.metadata["state_bindings"][v][0] for v in optimizer.metadata.get("state_pieces", {})}
+            assert owned[0] & owned[1] <= cut and (stage == 2 or not cut)
+            cut_anywhere |= cut
         for index, (program, plan, _) in enumerate(runs):
             assert owned[index] <= set(program.metadata["sharding"]["owned"])
             types = [op.type for op in plan.stages[s].phases["optimizer"].global_block.ops]
@@ -58,6 +64,7 @@ def test_each_stage_updates_only_what_its_sharding_rank_owns(stage):
                 i for i, op in enumerate(plan.stages[s].phases["optimizer"].global_block.ops)
                 if OpRole.OPTIMIZE in op.role and op.attrs.get("param"))  # gathered after the last update
             assert (RS_START in types) == (stage == 2) and (START in types) == (stage == 1)
+    assert bool(cut_anywhere) == (stage == 2)
     tied = runs[0][1].shared  # the tied embedding: summed over its stages before the sharded average
     assert tied
     for holders in tied.values():

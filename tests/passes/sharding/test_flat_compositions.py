@@ -1,0 +1,75 @@
+"""Flat-bucket stage 2 composed with AMP, global-norm clipping and gradient merge, as the Program of one rank of two
+(no processes; tests/fleet/test_sharding.py trains these against unsharded data parallel on 2 gloo ranks)."""
+from __future__ import annotations
+
+import pytest
+from helpers.data_parallel import captured_program, run_data_parallel_passes
+
+import fleetc
+from fleetc.comm.mesh import ProcessMesh
+from fleetc.fleet.trainer import sharding_metadata
+from fleetc.ir.program import VarKind
+from fleetc.passes.data_parallel.common import START
+from fleetc.passes.data_parallel.merged import update_block
+from fleetc.passes.sharding.clip_sharding import NORM_SUM
+from fleetc.passes.sharding.estimate import rank_plans
+from fleetc.passes.sharding.optimizer_sharding import FOUND_INF_MAX, RS_START, RS_WAIT
+
+STAGE_2 = {"sharding": True, "sharding_configs": {"stage": 2, "sharding_degree": 2}}
+MERGE = {"gradient_merge": True, "gradient_merge_configs": {"k_steps": 2}}
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    return captured_program("mlp")
+
+
+def rank_0(program, grad_clip=None, **fields):
+    stamped = program.clone()
+    stamped.metadata["sharding"] = sharding_metadata(ProcessMesh(sharding=2), 0)
+    final, history = run_data_parallel_passes(stamped, 2, grad_clip=grad_clip, **STAGE_2, **fields)
+    return final, history["sharding"].report
+
+
+def test_amp_and_clipping_read_pieces_and_agree_over_the_ranks(mlp):
+    """mlp's one bucket (6922 elements) split in two: rank 0's range ends inside fc2.weight (4096 elements, first in
+    the bucket after out.*: 650 + 2811 = 3461). AMP's unscaled and the clipped gradient of that piece are pieces too;
+    found_inf is max-allreduced and the squared norm of the pieces summed over the ranks."""
+    final, report = rank_0(mlp, grad_clip=fleetc.ClipGradByGlobalNorm(0.05), amp=True)
+    assert report.stats["params_split"] >= 1 and "flat buckets split evenly" in " ".join(report.notes)
+    assert final.metadata["state_pieces"] == {"fc2.weight@momentum_buffer": [0, 2811]}  # SGD with momentum
+    update = next(op for _, op in final.walk_ops() if op.attrs.get("param") == "fc2.weight")
+    gradient = final.find_var(update.args[1].name, 1)
+    assert update.args[1].name.endswith("@CLIP") and tuple(gradient.shape) == (2811,)
+    types = [op.type for _, op in final.walk_ops()]
+    assert types.count(FOUND_INF_MAX) == 1 and types.count(NORM_SUM) == 1
+
+
+def test_gradient_merge_reduce_scatters_the_accumulators_once_per_k_steps(mlp):
+    final, report = rank_0(mlp, **MERGE)
+    block = update_block(final)
+    assert [op.type for op in block.ops].count(RS_START) == 1 and START not in [op.type for op in block.ops]
+    assert not [op for op in final.global_block.ops if op.type == RS_START]  # nothing in the per-step ops
+    update = next(op for op in block.ops if op.attrs.get("param") == "fc2.weight")
+    assert tuple(final.var(update.args[1].name).shape) == (2811,)
+    zeroed = {op.args[0].name for op in block.ops if op.type == "fleetc.zero"}
+    accumulators = set(final.metadata["gradient_merge"]["accumulators"].values())
+    assert accumulators <= zeroed  # every one, whole
+    assert all(final.var(a).shape == final.var(a.removesuffix("@GRAD@MERGE")).shape for a in accumulators)
+    assert report.stats["params_split"] >= 1
+    unsharded, _ = run_data_parallel_passes(mlp, 2, **MERGE)
+    plan = rank_plans(unsharded, 2, 2)[0]  # the pre-launch estimate plans the same pieces
+    assert plan.owned_params == len(final.metadata["sharding"]["owned"])
+    assert plan.optimizer_state_bytes == sum(v.nbytes() for v in final.persistables()
+                                             if v.kind is VarKind.OPTIMIZER_STATE)
+    assert plan.gradient_bytes == sum(final.var(op.outputs[0]).nbytes() for op in block.ops if op.type == RS_WAIT)
+
+
+@pytest.mark.parametrize("clip, fields, reason", [
+    (fleetc.ClipGradByNorm(0.05), {}, "fleetc.clip_by_norm reads whole gradients"),
+    (None, {"amp": True, **MERGE}, "AMP under gradient merge unscales the whole accumulators"),
+])
+def test_what_needs_whole_gradients_keeps_whole_parameter_ownership(mlp, clip, fields, reason):
+    final, report = rank_0(mlp, grad_clip=clip, **fields)
+    assert "params_split" not in report.stats and "state_pieces" not in final.metadata
+    assert any(note.startswith("stage 2 owns whole parameters here") and reason in note for note in report.notes)
