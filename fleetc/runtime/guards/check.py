@@ -84,7 +84,8 @@ class GuardCheck:
     def _arm(self) -> None:
         """Bind the cheap check to the objects present now (which match the record) and generate it."""
         self._hook_epoch = RemovableHandle.next_id
-        self._hook_keys = {where: tuple(hooks) for where, hooks in hook_dicts(self.model, self.optimizer) if hooks}
+        hooked = [(where, hooks) for where, hooks in hook_dicts(self.model, self.optimizer) if hooks]  # one walk
+        self._hook_keys = {where: tuple(hooks) for where, hooks in hooked}
         names: dict[str, object] = {"RemovableHandle": RemovableHandle, "armed": self}
         clauses = ["RemovableHandle.next_id == armed._hook_epoch"]
 
@@ -92,8 +93,7 @@ class GuardCheck:
             name = f"{prefix}{len(names)}"
             names[name] = value
             return name
-        clauses += [f"len({bind('h', hooks)}) == {len(hooks)}"
-                    for _, hooks in hook_dicts(self.model, self.optimizer) if hooks]
+        clauses += [f"len({bind('h', hooks)}) == {len(hooks)}" for _, hooks in hooked]
         # Instance dicts, not attributes: nn.Module defines __getattr__, which slows every attribute load.
         clauses += [f"{bind('d', vars(m))}['training'] is {flag}" for m, flag in zip(self._modules, self._training)]
         for attrs, name in zip(self._attr_dicts, self._attr_names):
