@@ -41,7 +41,7 @@ from fleetc.compile_cache.fingerprint import (
     digest,
     environment_fingerprint,
 )
-from fleetc.compile_cache.deferred import DeferredProgram
+from fleetc.compile_cache.deferred import CompileCacheError, DeferredProgram
 from fleetc.compile_cache.store import CompileCacheWarning, EntryStore
 from fleetc.runtime.guards import GuardRecord, input_key, observe_guards
 
@@ -50,7 +50,7 @@ ENV_MODE = "FLEETC_COMPILE_CACHE"
 CACHE_RECORD = "compile_cache"  # the history record that stands for the passes a hit skipped
 _REPORT_FIELDS = ("applied", "skipped", "stats", "notes", "memory", "ops_after", "repeated_blocks")
 
-__all__ = ["MODES", "CompileCache", "CompileCacheWarning", "resolve_cache_mode"]
+__all__ = ["MODES", "CompileCache", "CompileCacheError", "CompileCacheWarning", "resolve_cache_mode"]
 
 
 def resolve_cache_mode(mode: str | None) -> str:

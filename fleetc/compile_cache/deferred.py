@@ -17,7 +17,12 @@ from typing import Any
 
 from fleetc.errors import FleetcError
 from fleetc.ir.program import Program
-from fleetc.ir.serialize import FORMAT_VERSION, _VERSION_KEY, decode_value, program_from_json
+from fleetc.ir.serialize import (
+    _VERSION_KEY,
+    FORMAT_VERSION,
+    decode_value,
+    program_from_json,
+)
 
 _DECODER = json.JSONDecoder()
 _SPACE = re.compile(r"\s*")
@@ -77,7 +82,7 @@ class DeferredProgram(Program):
         if header.get(_VERSION_KEY) != FORMAT_VERSION:
             raise ValueError(f"not a fleetc Program of format version {FORMAT_VERSION}")
         if not isinstance(header.get("metadata"), dict) or not isinstance(ops, int) or isinstance(ops, bool):
-            raise ValueError("the entry's Program has no metadata object or no op count")
+            raise TypeError("the entry's Program has no metadata object or no op count")
         self.metadata = decode_value(header["metadata"])
         self._text, self._ops, self._source = text, ops, source
         self._full: Program | None = None

@@ -311,8 +311,9 @@ def test_a_deferred_program_whose_op_count_disagrees_is_refused(cache_dir):
         warm.history[0].program.decoded()
 
 
-@pytest.mark.parametrize("text", ["[1]", '{"fleetc_program": 2, "metadata": {}}', '{"fleetc_program": 1, '
-                                  '"metadata": {}, "blocks": []}', '{"fleetc_program": 2 "metadata": {}}'])
+@pytest.mark.parametrize("text", ["[1]", '{"fleetc_program": 2, "metadata": {}}',
+                                  '{"fleetc_program": 1, "metadata": {}, "blocks": []}',
+                                  '{"fleetc_program": 2 "metadata": {}}'])
 def test_program_header_refuses_text_not_laid_out_as_written(text):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="Program text|format version"):
         DeferredProgram(text, 0, "entry")
