@@ -10,6 +10,7 @@ Modes (`fleetc.compile(..., compile_cache=...)`, default `$FLEETC_COMPILE_CACHE`
   now (module classes, parameter names, shapes, dtypes and requires_grad, param groups, hooks, inputs) and the
   live value of every module attribute the captured step read. Static captures only.
 Codegen is not cached: the generated Python is rebuilt from the Program, since nothing read from disk may run.
+A capture hit decodes the captured Program's metadata only; its ops are decoded when first used (deferred.py).
 Entries are JSON read by restricted decoders (store.py); each compile's outcome is a line in `report().cache`.
 """
 from __future__ import annotations
@@ -40,6 +41,7 @@ from fleetc.compile_cache.fingerprint import (
     digest,
     environment_fingerprint,
 )
+from fleetc.compile_cache.deferred import CompileCacheError, DeferredProgram
 from fleetc.compile_cache.store import CompileCacheWarning, EntryStore
 from fleetc.runtime.guards import GuardRecord, input_key, observe_guards
 
@@ -48,7 +50,7 @@ ENV_MODE = "FLEETC_COMPILE_CACHE"
 CACHE_RECORD = "compile_cache"  # the history record that stands for the passes a hit skipped
 _REPORT_FIELDS = ("applied", "skipped", "stats", "notes", "memory", "ops_after", "repeated_blocks")
 
-__all__ = ["MODES", "CompileCache", "CompileCacheWarning", "resolve_cache_mode"]
+__all__ = ["MODES", "CompileCache", "CompileCacheError", "CompileCacheWarning", "resolve_cache_mode"]
 
 
 def resolve_cache_mode(mode: str | None) -> str:
@@ -90,12 +92,12 @@ def _reads_failure(model: nn.Module, program: Program) -> str | None:
     return None
 
 
-def _program(payload: dict[str, Any]) -> Program:
-    """The Program of an entry: JSON text inside the JSON entry, so the key can hash that very text."""
+def _text(payload: dict[str, Any]) -> str:
+    """The Program text of an entry: JSON text inside the JSON entry, so the key can hash that very text."""
     text = payload["program_json"]
     if not isinstance(text, str):
         raise TypeError(f"program_json is a {type(text).__name__}, not JSON text")
-    return program_from_json(text)
+    return text
 
 
 def _memory_data(estimate: MemoryEstimate) -> dict[str, Any]:
@@ -165,7 +167,7 @@ class CompileCache:
         cached = None
         if payload is not None:
             try:
-                cached = CachedPasses(_program(payload), payload["report"],
+                cached = CachedPasses(program_from_json(_text(payload)), payload["report"],
                                       _memory(payload["memory"]["captured"]), _memory(payload["memory"]["final"]))
                 if set(_REPORT_FIELDS) - set(cached.report):
                     raise KeyError(f"report fields {sorted(set(_REPORT_FIELDS) - set(cached.report))}")
@@ -216,7 +218,7 @@ class CompileCache:
         found, why = None, ""
         if payload is not None:
             try:
-                program = _program(payload)
+                program = DeferredProgram(_text(payload), payload["ops"], f"compile cache entry capture-{key}.json")
                 self._text = (program, payload["program_json"])
                 record = GuardRecord.from_data(payload["guards"])
                 out_spec = None if payload["out_spec"] is None else treespec_loads(payload["out_spec"])
@@ -245,7 +247,8 @@ class CompileCache:
             return
         try:
             record = observe_guards(kind, model, optimizer, args, kwargs, program)
-            payload = {"program_json": self._program_text(program), "guards": record.to_data(),
+            payload = {"program_json": self._program_text(program), "ops": program.num_ops(),
+                       "guards": record.to_data(),
                        "out_spec": None if out_spec is None else treespec_dumps(out_spec)}
             written = self.store.store("capture", key, json.loads(json.dumps(payload, allow_nan=False)))
         except (TypeError, ValueError) as exc:

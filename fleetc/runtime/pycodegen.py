@@ -37,9 +37,10 @@ def returned_outputs(program: Program, op: Op, block: Block) -> list[str | None]
     return names
 
 
-def unpacks(op: Op, returned: list[str | None], kernel: Callable) -> bool:
-    """Whether a call's result is a sequence to unpack into `returned`, rather than the one value itself."""
-    return not (len(op.outputs) == 1 and len(returned) == 1 and not returns_list(kernel))
+def unpacks(op: Op, returned: list[str | None], list_result: bool) -> bool:
+    """Whether a call's result is a sequence to unpack into `returned`, rather than the one value itself;
+    `list_result` is `returns_list` of the op's kernel."""
+    return not (len(op.outputs) == 1 and len(returned) == 1 and not list_result)
 
 
 @dataclass
@@ -74,6 +75,7 @@ class _Emitter:
         self.taken: set[str] = set()  # the identifiers in local_names' values (a set, so `local` stays O(1))
         self.kernel_names: dict[str, str] = {}
         self.op_at_line: dict[int, Op] = {}
+        self.list_returning: dict[str, bool] = {}  # kernel global -> returns_list
 
     def local(self, var_name: str) -> str:
         """A valid, unique Python identifier for a Var."""
@@ -119,6 +121,12 @@ class _Emitter:
             self.kernel_names[op_type] = name
         return self.kernel_names[op_type]
 
+    def returns_list(self, kernel: str) -> bool:
+        """`returns_list` of a kernel global, asked once per global (it reads and prints the op's schema)."""
+        if kernel not in self.list_returning:
+            self.list_returning[kernel] = returns_list(self.globals[kernel])
+        return self.list_returning[kernel]
+
     def emit_op(self, op: Op, block: Block, indent: str) -> None:
         if self.profile:
             self.globals["record_function"] = torch.profiler.record_function
@@ -136,7 +144,7 @@ class _Emitter:
         self.op_at_line[len(self.lines) + 1] = op  # the line appended next, 1-based
         if not temps:
             self.lines.append(f"{indent}{call}  # {op.name}")
-        elif not unpacks(op, returned, self.globals[kernel]):
+        elif not unpacks(op, returned, self.returns_list(kernel)):
             self.lines.append(f"{indent}{temps[0]} = {call}  # {op.name}")
         else:
             self.lines.append(f"{indent}{', '.join(temps)}, = {call}  # {op.name}")
@@ -161,16 +169,22 @@ class _Emitter:
                 if self.measure:
                     self.lines.append(f"{indent}mem.drop({tuple(dead)!r})")
 
+    def load_all(self, mapping: str, names: list[str]) -> None:
+        """One statement binding each Var in `names` to `mapping[name]` (`state` or `constants`): a thousand
+        persistables cost CPython one unpacking instead of a thousand subscript assignments to compile."""
+        if names:
+            keys = f"{mapping}_keys"
+            self.globals[keys] = tuple(names)
+            self.lines.append(f"    {''.join(self.local(n) + ', ' for n in names)}= map({mapping}.__getitem__, {keys})")
+
     def generate(self) -> str:
         program = self.program
         self.lines.append("def step(state, feeds, mem):")
-        for var in program.persistables():
-            self.lines.append(f"    {self.local(var.name)} = state[{var.name!r}]")
+        self.load_all("state", [var.name for var in program.persistables()])
         constants = {v.name: constant_value(program, v) for v in program.all_vars() if v.kind is VarKind.CONSTANT}
         if constants:
             self.globals["constants"] = constants
-        for name in constants:
-            self.lines.append(f"    {self.local(name)} = constants[{name!r}]")
+        self.load_all("constants", list(constants))
         if program.feeds:
             self.lines.append(f"    {''.join(self.local(n) + ', ' for n in program.feeds)}= feeds")
         if self.measure:

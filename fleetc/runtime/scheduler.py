@@ -29,6 +29,7 @@ from fleetc.runtime.pycodegen import (
     profile_label,
     profiler_active,
     returned_outputs,
+    returns_list,
     unpacks,
 )
 
@@ -54,7 +55,7 @@ class _Step:
         self.label = profile_label(op)
         self.kernel = op_callables.get(op.name) or resolve_callable(op.type)
         self.returned = returned_outputs(program, op, block)
-        self.unpack = unpacks(op, self.returned, self.kernel)
+        self.unpack = unpacks(op, self.returned, returns_list(self.kernel))
 
     def __call__(self, env: dict[str, Any]) -> None:
         result = self.kernel(*_bind(self.op.args, env), **_bind(self.op.kwargs, env))

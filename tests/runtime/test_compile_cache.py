@@ -16,7 +16,9 @@ from torch import nn
 
 import fleetc
 from fleetc.ir.printer import format_program
+from fleetc.ir.program import Program
 from fleetc.compile_cache import CompileCacheWarning, fingerprint
+from fleetc.compile_cache.deferred import CompileCacheError, DeferredProgram
 from fleetc.compile_cache.store import STALE_LOCK_SECONDS, EntryStore
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -272,3 +274,46 @@ def test_a_second_process_skips_capture_and_passes(tmp_path):
     assert [line.split(" (")[0] for line in runs[1]["cache"]] == ["capture: hit, capture skipped",
                                                                   "passes: hit, passes skipped"]
     assert runs[1]["losses"] == runs[0]["losses"]
+
+
+def test_a_full_hit_decodes_the_captured_program_only_when_used(cache_dir):
+    cold, warm = _compile(), _compile()
+    captured = warm.history[0].program
+    assert isinstance(captured, DeferredProgram) and captured._full is None  # the hit read its metadata only
+    assert captured.num_ops() == cold.history[0].program.num_ops()
+    assert captured.metadata == cold.history[0].program.metadata
+    assert format_program(captured) == format_program(cold.history[0].program)  # decoded on first use
+    assert captured == cold.history[0].program and type(captured.clone()) is Program
+
+
+def test_a_deferred_program_that_does_not_decode_names_its_entry(cache_dir):
+    _compile()
+    (entry,) = _entries(cache_dir, "capture")
+    data = json.loads(entry.read_text())
+    program = json.loads(data["payload"]["program_json"])
+    program["blocks"][0]["ops"][0]["args"] = [{"$call": "os.system"}]  # damage past the metadata
+    data["payload"]["program_json"] = json.dumps(program)
+    entry.write_text(json.dumps(data))
+    # The passes key hashes the damaged text, so the passes run on the captured Program, which must decode now.
+    with pytest.raises(CompileCacheError, match=f"{entry.name} does not decode.*unknown tag"):
+        _compile()
+
+
+def test_a_deferred_program_whose_op_count_disagrees_is_refused(cache_dir):
+    cold = _compile()
+    (entry,) = _entries(cache_dir, "capture")
+    data = json.loads(entry.read_text())
+    data["payload"]["ops"] += 1
+    entry.write_text(json.dumps(data))
+    warm = _compile()  # the text is unchanged, so the passes hit and the step is the passes entry's
+    torch.testing.assert_close(warm.step(torch.ones(2, 8)), cold.step(torch.ones(2, 8)))
+    with pytest.raises(CompileCacheError, match=f"{entry.name} is inconsistent"):
+        warm.history[0].program.decoded()
+
+
+@pytest.mark.parametrize("text", ["[1]", '{"fleetc_program": 2, "metadata": {}}',
+                                  '{"fleetc_program": 1, "metadata": {}, "blocks": []}',
+                                  '{"fleetc_program": 2 "metadata": {}}'])
+def test_program_header_refuses_text_not_laid_out_as_written(text):
+    with pytest.raises(ValueError, match="Program text|format version"):
+        DeferredProgram(text, 0, "entry")

@@ -28,10 +28,23 @@ def _changed(what: str, expected: object, now: object) -> str:
     return f"{what} changed: {expected!r} when compiled, now {now!r}"
 
 
-def _owner(model: nn.Module, target: str) -> tuple[nn.Module, str]:
-    """The module holding `target` ("a.b.c" → (a.b, "c"); a top-level name → (model, name))."""
-    path, _, name = target.rpartition(".")
-    return model.get_submodule(path), name
+class _Submodules:
+    """`model.get_submodule` from one walk of the model: a deep model's guards name thousands of paths, and
+    `get_submodule` walks from the root for each (a path `named_modules` skips, such as a shared module's second
+    name, is still looked up the slow way)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.by_path = dict(model.named_modules())
+
+    def __call__(self, path: str) -> nn.Module:
+        module = self.by_path.get(path)
+        return module if module is not None else self.model.get_submodule(path)
+
+    def owner(self, target: str) -> tuple[nn.Module, str]:
+        """The module holding `target` ("a.b.c" → (a.b, "c"); a top-level name → (model, name))."""
+        path, _, name = target.rpartition(".")
+        return self(path), name
 
 
 class GuardCheck:
@@ -41,25 +54,26 @@ class GuardCheck:
         self.record, self.model = record, model
         self.optimizer = optimizer if record.step_kind == "train" else None
         training = record.of_kind("training")
-        self._modules = [model.get_submodule("" if g.target == "model" else g.target) for g in training]
+        submodule = _Submodules(model)
+        self._modules = [submodule("" if g.target == "model" else g.target) for g in training]
         self._training = [g.expected for g in training]
         attributes = record.of_kind("attribute")
-        owners = [_owner(model, g.target) for g in attributes]
+        owners = [submodule.owner(g.target) for g in attributes]
         self._attr_dicts = [vars(module) for module, _ in owners]
         self._attr_names = [name for _, name in owners]
         self._attr_values = [g.expected for g in attributes]
         self._attr_types = [type(v) for v in self._attr_values]
         children = [g.target for g in record.of_kind("module")]
-        self._child_dicts = [_owner(model, path)[0]._modules for path in children]
+        self._child_dicts = [submodule.owner(path)[0]._modules for path in children]
         self._child_names = [path.rpartition(".")[2] for path in children]
-        self._children = [model.get_submodule(path) for path in children]
+        self._children = [submodule(path) for path in children]
         tensors = record.of_kind("tensor")
-        tensor_owners = [_owner(model, g.target) for g in tensors]
+        tensor_owners = [submodule.owner(g.target) for g in tensors]
         self._tensor_dicts = [m._parameters if name in m._parameters else m._buffers for m, name in tensor_owners]
         self._tensor_names = [name for _, name in tensor_owners]
         self._tensors = list(map(dict.get, self._tensor_dicts, self._tensor_names))
         flags = record.of_kind("requires_grad")
-        self._params = [model.get_parameter(g.target) for g in flags]
+        self._params = [getattr(*submodule.owner(g.target)) for g in flags]
         self._requires_grad = [g.expected for g in flags]
         groups = self.optimizer.param_groups if self.optimizer is not None else []
         self._group_lists = [group["params"] for group in groups]
@@ -70,7 +84,8 @@ class GuardCheck:
     def _arm(self) -> None:
         """Bind the cheap check to the objects present now (which match the record) and generate it."""
         self._hook_epoch = RemovableHandle.next_id
-        self._hook_keys = {where: tuple(hooks) for where, hooks in hook_dicts(self.model, self.optimizer) if hooks}
+        hooked = [(where, hooks) for where, hooks in hook_dicts(self.model, self.optimizer) if hooks]  # one walk
+        self._hook_keys = {where: tuple(hooks) for where, hooks in hooked}
         names: dict[str, object] = {"RemovableHandle": RemovableHandle, "armed": self}
         clauses = ["RemovableHandle.next_id == armed._hook_epoch"]
 
@@ -78,8 +93,7 @@ class GuardCheck:
             name = f"{prefix}{len(names)}"
             names[name] = value
             return name
-        clauses += [f"len({bind('h', hooks)}) == {len(hooks)}"
-                    for _, hooks in hook_dicts(self.model, self.optimizer) if hooks]
+        clauses += [f"len({bind('h', hooks)}) == {len(hooks)}" for _, hooks in hooked]
         # Instance dicts, not attributes: nn.Module defines __getattr__, which slows every attribute load.
         clauses += [f"{bind('d', vars(m))}['training'] is {flag}" for m, flag in zip(self._modules, self._training)]
         for attrs, name in zip(self._attr_dicts, self._attr_names):
