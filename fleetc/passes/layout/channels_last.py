@@ -51,7 +51,7 @@ KEEPS_LAYOUT = frozenset({
     "aten.gelu.default", "aten.gelu_backward.default", "aten.leaky_relu.default", "aten.leaky_relu_backward.default",
     "aten.tanh.default", "aten.tanh_backward.default",
     "aten.add.Tensor", "aten.sub.Tensor", "aten.mul.Tensor", "aten.div.Tensor", "aten.neg.default",
-    "aten._to_copy.default",
+    "aten._to_copy.default", "aten.constant_pad_nd.default",
     "fleetc.fused_bn_act", "fleetc.fused_bn_add_act", "fleetc.fused_bn_act_grad",
     "fleetc.fused_elementwise", "fleetc.fused_elemwise_add_act", "fleetc.fused_elemwise_add_act_grad",
     "fleetc.assign",
