@@ -13,7 +13,8 @@ keeps the convolution chain channels_last, as torch.compile's layout optimizatio
 - ops in `ANY_LAYOUT` (dim permutations, reductions) read a channels_last value as it is, but their result is not
   channels_last;
 - any other op reading a channels_last value (a view before the classifier, a matmul, dropout, whose mask must be
-  drawn in eager's element order) reads an NCHW copy (`memory_format=torch.contiguous_format`), and so does a fetch;
+  drawn in eager's element order) reads an NCHW copy (`memory_format=torch.contiguous_format`), and so do a fetch
+  and a conditional block's ops (the copy is made before the block, the ops inside are renamed);
 - a convolution's weight gradient (aten returns it channels_last when the input is) is copied back under its own
   name, so optimizers, gradient buckets and `grad:` fetches see the contiguous gradient they see without the pass;
 - fused batch-norm ops of channels_last values are marked `attrs["memory_format"] = "channels_last"`, so the CPU
@@ -29,6 +30,7 @@ from typing import Any
 
 import torch
 
+from fleetc.ir.liveness import block_reads
 from fleetc.ir.program import Op, Program, Ref, Var, VarKind
 from fleetc.ir.usedef import Names
 from fleetc.passes.base import PassReport
@@ -75,12 +77,20 @@ class ChannelsLast:
         block = program.global_block
         if not any(op.type == CONV and _spatial(program, op.args[0]) for op in block.ops):
             report.skipped_reason = "no 2-D convolution of a CPU tensor"
-        elif any(op.sub_block is not None for op in block.ops):
-            report.skipped_reason = "the Program has sub-blocks (conditional blocks), which this pass does not rewrite"
         else:
             _Rewrite(program, report).run()
             report.changed = True
         return program, report
+
+
+def _nested_ops(program: Program, block_idx: int) -> list[Op]:
+    """The ops of a sub-block and of the sub-blocks inside it."""
+    ops = []
+    for op in program.blocks[block_idx].ops:
+        ops.append(op)
+        if op.sub_block is not None:
+            ops += _nested_ops(program, op.sub_block)
+    return ops
 
 
 def _spatial(program: Program, arg: Any) -> bool:
@@ -132,9 +142,12 @@ class _Rewrite:
     def _other(self, op: Op) -> None:
         keeps = op.type in KEEPS_LAYOUT
         if not keeps and op.type not in ANY_LAYOUT:
-            mapping = {r: self._copy(r, False, op) for r in op.inputs
+            mapping = {r: self._copy(r, False, op) for r in block_reads(self.program, op)
                        if r in self.nhwc and _layouts_differ(self.program.var(r))}
             op.rename_inputs(mapping)
+            if op.sub_block is not None and mapping:
+                for inner in _nested_ops(self.program, op.sub_block):
+                    inner.rename_inputs(mapping)
         self.ops.append(op)
         if not keeps or not any(r in self.nhwc for r in op.inputs):
             return
