@@ -143,3 +143,18 @@ def test_the_flag_switches_the_pass_and_it_says_why_it_did_nothing():
     run = run_side_by_side("mlp", "sgd", steps=1, strategy=channels_last_strategy())
     report = run.trainer.history["channels_last"].report
     assert not report.changed and report.skipped_reason == "no 2-D convolution of a CPU tensor"
+
+
+def test_amp_bf16_programs_are_rewritten_too():
+    """AMP adds a conditional block (the update skipped on overflow) and bf16 casts: the pass still applies (the
+    block's reads are renamed where needed), and training stays within a bf16 rounding of AMP without it."""
+    strategy = channels_last_strategy(fused=True)
+    strategy.amp = True
+    strategy.amp_configs = {"dtype": "bfloat16"}
+    with_pass = run_side_by_side("cnn", "momentum", strategy=strategy, cpu_kernels="sync")
+    strategy.build_strategy.conv_channels_last = False
+    without = run_side_by_side("cnn", "momentum", strategy=strategy, cpu_kernels="sync")
+    report = with_pass.trainer.history["channels_last"].report
+    assert report.changed and report.stats["convolutions"] == 5 and report.stats["batch_norms_channels_last"] > 0
+    for a, b in zip(with_pass.compiled_losses, without.compiled_losses):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
