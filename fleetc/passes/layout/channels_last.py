@@ -79,7 +79,9 @@ class ChannelsLast:
             report.skipped_reason = "no 2-D convolution of a CPU tensor"
         else:
             _Rewrite(program, report).run()
-            report.changed = True
+            report.changed = set(report.stats) != {"convolutions"}
+            if not report.changed:
+                report.skipped_reason = "every convolution's values are in the same memory order in both layouts"
         return program, report
 
 

@@ -21,7 +21,7 @@ from conftest import eager_step, run_side_by_side
 from zoo import OPTIMIZERS, ZOO
 
 import fleetc
-from fleetc.ir.program import Op, Program, Ref, Var
+from fleetc.ir.program import Op, Program, Ref, Var, VarKind
 from fleetc.passes.layout import ChannelsLast
 from fleetc.passes.order import fusion_flags, ordered_passes
 
@@ -106,7 +106,8 @@ def _view_program() -> Program:
     an NCHW copy (one, shared)."""
     program = Program()
     block = program.global_block
-    for var in (Var("x", (2, 4, 5, 5), "float32", kind="data"), Var("w", (6, 4, 3, 3), "float32", kind="param"),
+    for var in (Var("x", (2, 4, 5, 5), "float32", kind=VarKind.DATA),
+                Var("w", (6, 4, 3, 3), "float32", kind=VarKind.PARAM),
                 Var("y", (2, 6, 3, 3), "float32"), Var("r", (2, 6, 3, 3), "float32"), Var("f", (2, 54), "float32")):
         block.add_var(var)
     block.ops = [Op("conv", "aten.convolution.default", (Ref("x"), Ref("w"), None, [1, 1], [0, 0], [1, 1], False,
@@ -158,3 +159,18 @@ def test_amp_bf16_programs_are_rewritten_too():
     assert report.changed and report.stats["convolutions"] == 5 and report.stats["batch_norms_channels_last"] > 0
     for a, b in zip(with_pass.compiled_losses, without.compiled_losses):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+def test_one_channel_convolutions_need_no_copy_and_the_report_says_so():
+    program = _view_program()
+    block = program.global_block
+    block.vars["x"].shape, block.vars["w"].shape = (2, 1, 5, 5), (1, 1, 3, 3)
+    for name in ("y", "r"):
+        block.vars[name].shape = (2, 1, 3, 3)
+    block.vars["f"].shape = (2, 9)
+    block.ops[2].args = (Ref("r"), [2, 9])
+    before = str(program)
+    program, report = ChannelsLast().run(program, None)
+    assert str(program) == before
+    assert not report.changed and report.stats == {"convolutions": 1}
+    assert report.skipped_reason == "every convolution's values are in the same memory order in both layouts"
