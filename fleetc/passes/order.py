@@ -1,7 +1,7 @@
 """The pass order: the passes a strategy asks for, built in one readable place, in a fixed documented order.
 
 Order (DESIGN.md): gradient clipping and LARS/LAMB (they define the optimize section) → AMP → recompute
-→ fusion → gradient merge → local SGD / allreduce → sharding → pipeline split → optimizer fusion → DCE
+→ fusion → CPU convolution layout → gradient merge → local SGD / allreduce → sharding → pipeline split → optimizer fusion → DCE
 → memory planning. Passes not built yet are listed in `strategy_requests_without_pass`, so a flag that
 is on never goes silently unheeded.
 """
@@ -28,6 +28,7 @@ from fleetc.passes.fusion import (
     FuseOptimizerOps,
 )
 from fleetc.passes.gradient_merge import GradientMerge
+from fleetc.passes.layout import ChannelsLast
 from fleetc.passes.memory import InplacePointwise, ReuseBuffers
 from fleetc.passes.optimizers import AdaptiveLocalSGD, GradClip, GradientClip, Lamb, Lars, LocalSGD
 from fleetc.passes.parameter_server import ParameterServerRewrite
@@ -58,6 +59,7 @@ PASS_ORDER: tuple[type, ...] = (
     FuseDropoutAdd,  # dropout + residual add
     FuseElementwiseAddAct,  # whatever add + act remains
     AutoFusion,  # after the named fusion passes: fuses the pointwise chains they leave
+    ChannelsLast,  # CPU convolutions on channels_last activations (after fusion: it marks the fused batch norms)
     GradientMerge,  # update once per k steps, on summed gradients
     LocalSGD,  # data parallel: no gradient allreduce, parameters averaged every k steps instead
     AdaptiveLocalSGD,  # the same with k adapted from the loss

@@ -9,7 +9,7 @@ collective-training guide lists other values, the proto wins:
   ``execution_strategy.num_iteration_per_run`` 1 (guide: 3).
 
 fleetc extensions over Paddle: ``recompute_configs.checkpoints`` may be ``"auto"``,
-``recompute_configs.memory_budget_mb`` and ``amp_configs.dtype``.
+``recompute_configs.memory_budget_mb``, ``amp_configs.dtype`` and ``build_strategy.conv_channels_last``.
 """
 
 from __future__ import annotations
@@ -131,6 +131,7 @@ BUILD_STRATEGY = Section("build_strategy", (
     flag("enable_backward_optimizer_op_deps", "start optimizer ops only after all backward ops", True),
     flag("enable_auto_fusion", "fuse chains of elementwise ops automatically"),
     flag("cache_runtime_context", "reuse per-op runtime context between steps"),
+    flag("conv_channels_last", "run CPU convolutions and the ops between them on channels_last activations"),
 ), "graph building (fusion and scheduling) switches", as_object=True)
 
 A_SYNC_CONFIGS = Section("a_sync_configs", (

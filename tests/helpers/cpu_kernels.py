@@ -21,8 +21,9 @@ def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-def plan_for(op_type: str, args: tuple, kwargs: dict | None = None) -> CpuPlan:
-    """The CPU plan of `op_type` called on these arguments (tensors become Vars of their shape and dtype)."""
+def plan_for(op_type: str, args: tuple, kwargs: dict | None = None, attrs: dict | None = None) -> CpuPlan:
+    """The CPU plan of `op_type` called on these arguments (tensors become Vars of their shape and dtype), for an
+    op with these `attrs` (e.g. the layout pass's memory_format)."""
     names = iter(f"t{i}" for i in range(10_000))
     op_args, inputs = [], []
     for arg in args:
@@ -37,21 +38,22 @@ def plan_for(op_type: str, args: tuple, kwargs: dict | None = None) -> CpuPlan:
         else:
             op_args.append(arg)
             inputs.append(None)
-    op = Op("probe", op_type, tuple(op_args), dict(kwargs or {}), outputs=["out"])
+    op = Op("probe", op_type, tuple(op_args), dict(kwargs or {}), outputs=["out"], attrs=dict(attrs or {}))
     return import_target(backend.planner_of(op_type))(op, inputs)
 
 
-def cpu_kernel(op_type: str, args: tuple, kwargs: dict | None = None) -> Callable[..., Any]:
+def cpu_kernel(op_type: str, args: tuple, kwargs: dict | None = None, attrs: dict | None = None) -> Callable[..., Any]:
     """The op's C++ kernel(s), built now, bound to the reference's signature."""
-    plan = plan_for(op_type, args, kwargs)
+    plan = plan_for(op_type, args, kwargs, attrs)
     return plan.bind([backend.build_async(k).result() for k in plan.kernels])
 
 
-def run_both(op_type: str, args: tuple, kwargs: dict | None = None, seed: int = 0) -> tuple[Any, Any, list, list]:
+def run_both(op_type: str, args: tuple, kwargs: dict | None = None, seed: int = 0,
+             attrs: dict | None = None) -> tuple[Any, Any, list, list]:
     """(kernel outputs, reference outputs, kernel's argument copies, reference's argument copies) from the same
     arguments and RNG seed; in-place updates show in the argument copies."""
     kwargs = kwargs or {}
-    kernel = cpu_kernel(op_type, args, kwargs)
+    kernel = cpu_kernel(op_type, args, kwargs, attrs)
     got_args, want_args = copy.deepcopy(args), copy.deepcopy(args)
     torch.manual_seed(seed)
     got = kernel(*got_args, **kwargs)

@@ -52,7 +52,7 @@ EXPECTED_DEFAULTS = {
     "build_strategy.fuse_all_optimizer_ops": False, "build_strategy.enable_inplace": False,
     "build_strategy.memory_optimize": False,
     "build_strategy.enable_backward_optimizer_op_deps": True, "build_strategy.enable_auto_fusion": False,
-    "build_strategy.cache_runtime_context": False,
+    "build_strategy.cache_runtime_context": False, "build_strategy.conv_channels_last": False,
     "execution_strategy.num_threads": 1, "execution_strategy.num_iteration_per_drop_scope": 10,
     "execution_strategy.num_iteration_per_run": 1, "execution_strategy.use_thread_barrier": False,
     # Paddle-only fields (accepted, reported as not applied), from Paddle's distributed_strategy.proto.

@@ -12,6 +12,13 @@ first); each OpenMP work item is one channel, whose elements are N runs of S = p
   per-channel sums of dpre and dpre * (x - mean) (dbias, dweight), a second pass writes dx as aten's
   native_batch_norm_backward does.
 
+A channels_last input (the op marked `attrs["memory_format"] = "channels_last"` by the layout pass,
+fleetc/passes/layout/channels_last.py) has its own kernels, so it is not copied back to NCHW: the input is M = N *
+prod(spatial) rows of C contiguous channel values. Rows are split evenly over the threads; each thread sums its rows
+into its own row of a float64 scratch (one value per channel), and the threads' rows are added in thread order, so
+the result depends on the thread count only. The same passes as above, with the channel loop innermost (SIMD):
+mean, squared deviations, normalize (forward); act grad with the two sums, dx (backward). Outputs are channels_last.
+
 Activations are the shared lowering's C expressions (fleetc/ops/pointwise.py). Statistics are fp32-close to
 aten's, not bit-identical (aten accumulates in another order); fp32 and bf16 inputs, fp32 weights and stats.
 """
@@ -162,12 +169,182 @@ def grad_kernel(dtype: str, training: bool, act: str, param: Any, need_dx: bool)
     return CppKernel(name, "\n".join(lines) + "\n")
 
 
+CHANNELS_LAST = "channels_last"  # the value of op.attrs["memory_format"] that selects the NHWC kernels
+
+
+def _nhwc_rows(body: list[str]) -> list[str]:
+    """`body` once per row r (its C channel values start at `o`), rows split evenly over the threads; `acc` is the
+    thread's row of the float64 scratch `part` (W values)."""
+    return ["#pragma omp parallel num_threads(T)",
+            "{",
+            "  const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();",
+            "  double* acc = part + t * W;",
+            "  for (int64_t r = M * t / nt; r < M * (t + 1) / nt; ++r) {",
+            "    const int64_t o = r * C;",
+            "    #pragma omp simd",
+            "    for (int64_t c = 0; c < C; ++c) {",
+            *("      " + line for line in body),
+            "    }",
+            "  }",
+            "}"]
+
+
+def _nhwc_sums(body: list[str]) -> list[str]:
+    """Zero the scratch, then accumulate `body` into it over all rows (the totals: `_nhwc_total(i)`)."""
+    return ["for (int64_t i = 0; i < nthreads * W; ++i) part[i] = 0.0;", *_nhwc_rows(body)]
+
+
+def _nhwc_total(index: str) -> str:
+    return f"fc_total(part, nthreads, W, {index})"
+
+
+_NHWC_HEAD = ["  const int64_t M = meta[0], C = meta[1];",
+              "  const double R = (double)M;",
+              "  const int T = M * C >= 32768 ? (int)nthreads : 1;"]
+
+# Sums scratch column i over the threads' rows in thread order (deterministic for a given thread count).
+_NHWC_TOTAL = """static inline double fc_total(const double* part, int64_t nthreads, int64_t W, int64_t i) {
+  double s = 0.0;
+  for (int64_t t = 0; t < nthreads; ++t) s += part[t * W + i];
+  return s;
+}
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def forward_kernel_nhwc(dtype: str, training: bool, residual: bool, act: str, param: Any) -> CppKernel:
+    """As `forward_kernel` on channels_last tensors; data adds [part (nthreads * C float64), coef (3 * C float32)]."""
+    t = _C_TYPE[dtype]
+    name = f"fused_bn{'_add' * residual}_{_act_tag(act, param)}_{'train' if training else 'eval'}_nhwc_{dtype}"
+    x = load(dtype, "x[o + c]")
+    lines = [signature(name) + " {",
+             f"  const {t}* x = (const {t}*)data[0];",
+             f"  const {t}* res = (const {t}*)data[1];",
+             "  const float* weight = (const float*)data[2];",
+             "  const float* bias = (const float*)data[3];",
+             "  float* running_mean = (float*)data[4];",
+             "  float* running_var = (float*)data[5];",
+             f"  {t}* out = ({t}*)data[6];",
+             f"  {t}* pre = ({t}*)data[7];",
+             "  float* mean_out = (float*)data[8];",
+             "  float* rstd_out = (float*)data[9];",
+             "  double* part = (double*)data[10];",
+             *_NHWC_HEAD,
+             "  float* mean = (float*)data[11];",
+             "  float* scale = mean + C;",
+             "  float* shift = mean + 2 * C;",
+             "  const int64_t W = C;",
+             "  const double momentum = scalars[0], eps = scalars[1];"]
+    if training:
+        body = [*_nhwc_sums([f"acc[c] += (double){x};"]),
+                f"for (int64_t c = 0; c < C; ++c) mean[c] = (float)({_nhwc_total('c')} / R);",
+                *_nhwc_sums([f"const float d = {x} - mean[c];", "acc[c] += (double)(d * d);"]),
+                "for (int64_t c = 0; c < C; ++c) {",
+                f"  const double m2 = {_nhwc_total('c')};",
+                "  const float rstd = (float)(1.0 / __builtin_sqrt(m2 / R + eps));",
+                "  mean_out[c] = mean[c];", "  rstd_out[c] = rstd;",
+                "  running_mean[c] = (float)(momentum * mean[c] + (1.0 - momentum) * running_mean[c]);",
+                "  running_var[c] = (float)(momentum * (m2 / (R - 1.0)) + (1.0 - momentum) * running_var[c]);",
+                "  scale[c] = weight ? rstd * weight[c] : rstd;",
+                "  shift[c] = bias ? bias[c] : 0.0f;",
+                "}"]
+    else:
+        body = ["for (int64_t c = 0; c < C; ++c) {",
+                "  mean[c] = running_mean[c];",
+                "  const float rstd = (float)(1.0 / __builtin_sqrt((double)running_var[c] + eps));",
+                "  scale[c] = weight ? rstd * weight[c] : rstd;",
+                "  shift[c] = bias ? bias[c] : 0.0f;",
+                "}"]
+    normalize = [f"float y = {round_to(dtype, f'({x} - mean[c]) * scale[c] + shift[c]')};"]
+    if residual:
+        normalize.append(f"y = {round_to(dtype, 'y + ' + load(dtype, 'res[o + c]'))};")
+    normalize += [f"pre[o + c] = {store(dtype, 'y')};",
+                  f"out[o + c] = {store(dtype, activation_expression(act, param, 'y', C))};"]
+    lines += ["  " + line for line in body + _nhwc_rows(normalize)] + ["}"]
+    return CppKernel(name, _NHWC_TOTAL + "\n".join(lines) + "\n")
+
+
+@functools.lru_cache(maxsize=None)
+def grad_kernel_nhwc(dtype: str, training: bool, act: str, param: Any, need_dx: bool) -> CppKernel:
+    """As `grad_kernel` on channels_last tensors; data adds [part (nthreads * 2C float64), coef (5 * C float32)]."""
+    t = _C_TYPE[dtype]
+    name = f"fused_bn_{_act_tag(act, param)}_grad_{'train' if training else 'eval'}{'_dx' * need_dx}_nhwc_{dtype}"
+    x = load(dtype, "x[o + c]")
+    dy = activation_grad_expression(act, param, load(dtype, "dout[o + c]"), load(dtype, "saved[o + c]"), C)
+    lines = [signature(name) + " {",
+             f"  const {t}* dout = (const {t}*)data[0];",
+             f"  const {t}* saved = (const {t}*)data[1];",
+             f"  const {t}* x = (const {t}*)data[2];",
+             "  const float* weight = (const float*)data[3];",
+             "  const float* running_mean = (const float*)data[4];",
+             "  const float* running_var = (const float*)data[5];",
+             "  const float* save_mean = (const float*)data[6];",
+             "  const float* save_rstd = (const float*)data[7];",
+             f"  {t}* dx = ({t}*)data[8];",
+             "  float* dweight = (float*)data[9];",
+             "  float* dbias = (float*)data[10];",
+             f"  {t}* dpre = ({t}*)data[11];",
+             "  double* part = (double*)data[12];",
+             *_NHWC_HEAD,
+             "  float* mean = (float*)data[13];",
+             "  float* rstd = mean + C;",
+             "  float* grad_mean = mean + 2 * C;",
+             "  float* proj = mean + 3 * C;",
+             "  float* w_rstd = mean + 4 * C;",
+             "  const int64_t W = 2 * C;",
+             "  const double eps = scalars[0];"]
+    if training:
+        body = ["for (int64_t c = 0; c < C; ++c) { mean[c] = save_mean[c]; rstd[c] = save_rstd[c]; }"]
+    else:
+        body = ["for (int64_t c = 0; c < C; ++c) {",
+                "  mean[c] = running_mean[c];",
+                "  rstd[c] = (float)(1.0 / __builtin_sqrt((double)running_var[c] + eps));",
+                "}"]
+    body += [*_nhwc_sums([f"const float g = {round_to(dtype, dy)};",
+                          f"dpre[o + c] = {store(dtype, 'g')};",
+                          "acc[c] += (double)g;",
+                          f"acc[C + c] += (double)(g * ({x} - mean[c]));"]),
+             "for (int64_t c = 0; c < C; ++c) {",
+             f"  const double sum_dy = {_nhwc_total('c')}, dot = {_nhwc_total('C + c')};",
+             "  if (dweight) dweight[c] = (float)(dot * rstd[c]);",
+             "  if (dbias) dbias[c] = (float)sum_dy;",
+             "  w_rstd[c] = weight ? rstd[c] * weight[c] : rstd[c];",
+             "  grad_mean[c] = (float)(sum_dy / R);",
+             "  proj[c] = (float)(dot / R) * rstd[c] * rstd[c];",
+             "}"]
+    if need_dx:
+        if training:
+            dx = f"({load(dtype, 'dpre[o + c]')} - grad_mean[c] - ({x} - mean[c]) * proj[c]) * w_rstd[c]"
+        else:
+            dx = f"{load(dtype, 'dpre[o + c]')} * w_rstd[c]"
+        body += _nhwc_rows([f"dx[o + c] = {store(dtype, dx)};"])
+    lines += ["  " + line for line in body] + ["}"]
+    return CppKernel(name, _NHWC_TOTAL + "\n".join(lines) + "\n")
+
+
 def _check(x: Var, params: list[Var | None]) -> tuple[str, list[int]]:
     if len(x.shape) < 3:
         raise Unsupported("batch norm of a 2-D input (one value per channel and row): the reference is faster")
     require_dtypes("batch norm input", [x.dtype])
     require_dtypes("batch norm weight and statistics", [v.dtype for v in params if v is not None], ("float32",))
     return x.dtype, [x.shape[0], x.shape[1], math.prod(x.shape[2:])]
+
+
+def _channels_last(op: Op, x: Var) -> bool:
+    """Whether the layout pass marked the op's (4-D) input channels_last: then the NHWC kernels run."""
+    return op.attrs.get("memory_format") == CHANNELS_LAST and len(x.shape) == 4
+
+
+def _nhwc_sizes(sizes: list[int]) -> list[int]:
+    """The NHWC kernels' meta: rows (N * S) and channels."""
+    n, c, s = sizes
+    return [n * s, c]
+
+
+def _nhwc_scratch(threads: int, channels: int, sums: int, coefficients: int) -> list[torch.Tensor]:
+    """The NHWC kernels' scratch: per-thread float64 sums (`sums` per channel) and per-channel float32 values."""
+    return [torch.empty(threads * sums * channels, dtype=torch.float64),
+            torch.empty(coefficients * channels, dtype=torch.float32)]
 
 
 def _plan_forward(op: Op, inputs: list[Var | None], residual: bool) -> CpuPlan:
@@ -177,8 +354,10 @@ def _plan_forward(op: Op, inputs: list[Var | None], residual: bool) -> CpuPlan:
     dtype, sizes = _check(x, inputs[1 + residual:5 + residual])
     if residual and (tuple(inputs[1].shape) != tuple(x.shape) or inputs[1].dtype != dtype):
         raise Unsupported("the residual does not have the input's shape and dtype")
-    kernel = forward_kernel(dtype, bool(training), residual, act, param)
-    meta = int_array(sizes)
+    nhwc = _channels_last(op, x)
+    kernel = (forward_kernel_nhwc if nhwc else forward_kernel)(dtype, bool(training), residual, act, param)
+    meta = int_array(_nhwc_sizes(sizes) if nhwc else sizes)
+    layout = torch.channels_last if nhwc else torch.contiguous_format
 
     def bind(functions: list[Any]) -> Callable[..., Any]:
         function = functions[0]
@@ -186,13 +365,16 @@ def _plan_forward(op: Op, inputs: list[Var | None], residual: bool) -> CpuPlan:
         def run(x, *args):
             residual_t = args[0] if residual else None
             weight, bias, running_mean, running_var, training, momentum, eps, act, param = args[residual:]
-            x = x.contiguous()
-            residual_t = residual_t.contiguous() if residual_t is not None else None
+            x = x.contiguous(memory_format=layout)
+            residual_t = residual_t.contiguous(memory_format=layout) if residual_t is not None else None
             out, pre = torch.empty_like(x), torch.empty_like(x)
             channels = x.shape[1] if training else 0
             mean, rstd = torch.empty(channels), torch.empty(channels)
-            data = pointers([x, residual_t, weight, bias, running_mean, running_var, out, pre, mean, rstd])
-            function(data, meta, float_array([momentum, eps]), num_threads())
+            threads = num_threads()
+            tensors = [x, residual_t, weight, bias, running_mean, running_var, out, pre, mean, rstd]
+            if nhwc:
+                tensors += _nhwc_scratch(threads, x.shape[1], 1, 3)
+            function(pointers(tensors), meta, float_array([momentum, eps]), threads)
             return out, pre, mean, rstd
 
         return run
@@ -218,23 +400,28 @@ def plan_bn_act_grad(op: Op, inputs: list[Var | None]) -> CpuPlan:
     if ACTIVATIONS[act].saves is None or saved is None:
         raise Unsupported(f"{act}'s gradient reads no saved value: the reference handles it")
     require_dtypes("batch norm gradient", [dout.dtype, saved.dtype], (dtype,))
-    kernel = grad_kernel(dtype, bool(training), act, param, bool(output_mask[0]))
-    meta = int_array(sizes)
+    nhwc = _channels_last(op, x)
+    kernel = (grad_kernel_nhwc if nhwc else grad_kernel)(dtype, bool(training), act, param, bool(output_mask[0]))
+    meta = int_array(_nhwc_sizes(sizes) if nhwc else sizes)
+    layout = torch.channels_last if nhwc else torch.contiguous_format
 
     def bind(functions: list[Any]) -> Callable[..., Any]:
         function = functions[0]
 
         def run(dout, saved, x, weight, running_mean, running_var, save_mean, save_rstd, training, eps, output_mask,
                 act, param):
-            dout, saved, x = dout.contiguous(), saved.contiguous(), x.contiguous()
+            dout, saved, x = (t.contiguous(memory_format=layout) for t in (dout, saved, x))
             need_dx, need_dw, need_db = output_mask
             channels = x.shape[1]
             dx = torch.empty_like(x) if need_dx else None
             dw = torch.empty(channels, dtype=weight.dtype) if need_dw and weight is not None else None
             db = torch.empty(channels, dtype=weight.dtype if weight is not None else torch.float32) if need_db else None
             dpre = torch.empty_like(dout)
-            data = pointers([dout, saved, x, weight, running_mean, running_var, save_mean, save_rstd, dx, dw, db, dpre])
-            function(data, meta, float_array([eps]), num_threads())
+            threads = num_threads()
+            tensors = [dout, saved, x, weight, running_mean, running_var, save_mean, save_rstd, dx, dw, db, dpre]
+            if nhwc:
+                tensors += _nhwc_scratch(threads, channels, 2, 5)
+            function(pointers(tensors), meta, float_array([eps]), threads)
             return dx, dw, db, dpre
 
         return run
