@@ -2,10 +2,11 @@
 
 The passes edit one live Program in place: the manager copies the captured Program once, not once per pass.
 Each record's Program (dump-ir, notebooks, `history.diff`) is rebuilt only when someone asks for it, by replaying
-the passes from the nearest Program already built (`_Replay`); a compile nobody inspects pays for no snapshot.
-Passes are deterministic, and the replay checks that: each rebuilt Program must have the op names and types, and
-the Var names, that the live one had right after the same pass (`fingerprint`), else a PassError says which pass
-gave something else. The live Program also lets a pass hand its blocks' use-def indexes on to the next pass
+the passes from the nearest Program already built (`_Replay`), and so is its memory estimate; a compile nobody
+inspects pays for neither (the last record's estimate is made at once: the compile report reads it). Passes are
+deterministic, and the replay checks that: each rebuilt Program must have the op names and types, and the Var
+names, that the live one had right after the same pass (`fingerprint`), else a PassError says which pass gave
+something else. The live Program also lets a pass hand its blocks' use-def indexes on to the next pass
 (`fleetc.ir.usedef.keeping`): after each pass only the indexes that pass handed on survive.
 """
 from __future__ import annotations
@@ -43,14 +44,15 @@ class UnifiedDiff(HtmlViewable, str):
 class PassRecord(HtmlViewable):
     """One step of the pass order: the pass, the Program after it, its report and how long it took.
 
-    The Program is either given, or built on first access by the run's `_Replay` (step `replay[1]`)."""
+    The Program is either given, or built on first access by the run's `_Replay` (step `replay[1]`); the memory
+    estimate, when not given, is made from the Program on first access."""
 
     def __init__(self, name: str, program: Program | None, report: PassReport, seconds: float,
-                 memory: MemoryEstimate, replay: tuple[_Replay, int] | None = None):
+                 memory: MemoryEstimate | None, replay: tuple[_Replay, int] | None = None):
         if (program is None) == (replay is None):
             raise ValueError("a PassRecord needs either its Program or the replay that rebuilds it")
-        self.name, self.report, self.seconds, self.memory = name, report, seconds, memory
-        self._program, self._replay = program, replay
+        self.name, self.report, self.seconds = name, report, seconds
+        self._program, self._replay, self._memory = program, replay, memory
         self.previous: PassRecord | None = None  # set by History
 
     @property
@@ -59,6 +61,12 @@ class PassRecord(HtmlViewable):
             replay, step = self._replay
             self._program, self._replay = replay.program(step), None
         return self._program
+
+    @property
+    def memory(self) -> MemoryEstimate:
+        if self._memory is None:
+            self._memory = estimate_memory(self.program)
+        return self._memory
 
     def keep(self, program: Program) -> None:
         """Hold `program` as this record's Program (the manager's live one, after the last pass)."""
@@ -139,6 +147,8 @@ class _Replay:
         return len(self.steps) - 1
 
     def program(self, step: int) -> Program:
+        if step in self.built:
+            return self.built[step]
         start = max(i for i in self.built if i < step)
         program = self.built[start]
         for i in range(start + 1, step + 1):
@@ -174,7 +184,7 @@ class PassManager:
                 if p.name in self.disabled:
                     report = PassReport(p.name, skipped_reason="disabled by the user (disable_passes)")
                     step = replay.add(None, live)
-                    history.append(PassRecord(p.name, None, report, 0.0, history[-1].memory, (replay, step)))
+                    history.append(PassRecord(p.name, None, report, 0.0, None, (replay, step)))
                     continue
                 for instrument in self.instruments:
                     instrument.before_pass(p.name, live)
@@ -190,7 +200,8 @@ class PassManager:
                     instrument.after_pass(p.name, live, report, seconds)
                 usedef.pass_done(live)
                 step = replay.add(p, live)
-                history.append(PassRecord(p.name, None, report, seconds, estimate_memory(live), (replay, step)))
+                history.append(PassRecord(p.name, None, report, seconds, None, (replay, step)))
         if self.passes:
             history[-1].keep(live)
+            history[-1].memory  # noqa: B018 (estimated now, before anyone edits the final Program)
         return live
