@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from collections.abc import Iterator
 
 from fleetc.ir.liveness import block_reads
@@ -141,34 +142,40 @@ class _Kept:
         self.handed: dict[int, UseDef] = {}
 
 
-_kept: _Kept | None = None
+_state = threading.local()  # .kept: the current thread's _Kept (pipeline ranks may compile on threads)
+
+
+def _current() -> _Kept | None:
+    return getattr(_state, "kept", None)
 
 
 @contextlib.contextmanager
 def keeping(program: Program) -> Iterator[None]:
     """While open (the pass manager's run), indexes of `program`'s blocks may be handed from pass to pass."""
-    global _kept
-    outer, _kept = _kept, _Kept(program)
+    outer, _state.kept = _current(), _Kept(program)
     try:
         yield
     finally:
-        _kept = outer
+        _state.kept = outer
 
 
 def pass_done(program: Program) -> None:
     """A pass finished and returned `program` (the live Program from now on): the next pass may take only the
     indexes this one handed on for it."""
-    if _kept is not None:
-        handed = _kept.handed if program is _kept.program else {}
-        _kept.program, _kept.blocks, _kept.handed = program, handed, {}
+    kept = _current()
+    if kept is not None:
+        handed = kept.handed if program is kept.program else {}
+        kept.program, kept.blocks, kept.handed = program, handed, {}
 
 
 def handed_on(program: Program, block: Block) -> UseDef | None:
     """The index a previous pass kept for `block` of `program`, while it still stands for the block's op list."""
-    if _kept is None or _kept.program is not program:
+    kept = _current()
+    if kept is None or kept.program is not program:
         return None
-    usedef = _kept.blocks.get(block.idx)
-    if usedef is None or usedef.block is not block or usedef.built_from[0] is not block.ops:
+    usedef = kept.blocks.get(block.idx)
+    if (usedef is None or usedef.block is not block or usedef.built_from[0] is not block.ops
+            or usedef.built_from[1] != len(block.ops)):
         return None
     if CHECK:
         from fleetc.ir.verifier import verify_usedef
@@ -179,8 +186,9 @@ def handed_on(program: Program, block: Block) -> UseDef | None:
 
 def hand_on(usedef: UseDef) -> None:
     """Hand a compacted index on to the next pass, when the manager runs its Program and it has no sub-blocks."""
-    if _kept is not None and _kept.program is usedef.program and len(usedef.program.blocks) == 1:
-        _kept.handed[usedef.block.idx] = UseDef.sharing(usedef)
+    kept = _current()
+    if kept is not None and kept.program is usedef.program and len(usedef.program.blocks) == 1:
+        kept.handed[usedef.block.idx] = UseDef.sharing(usedef)
 
 
 def check_consistent(usedef: UseDef) -> str | None:
