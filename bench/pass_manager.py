@@ -17,6 +17,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Self
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
@@ -38,7 +39,7 @@ class _Clones:
         self.calls, self.seconds = 0, 0.0
         self.original = Program.clone
 
-    def __enter__(self) -> _Clones:
+    def __enter__(self) -> Self:
         clones, original = self, self.original
 
         def timed(program: Program) -> Program:
