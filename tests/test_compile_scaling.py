@@ -1,6 +1,6 @@
-"""Compile work grows linearly with model depth: Op/Var visits of capture, every pass and codegen (deterministic
-counts, not times; fleetc.ir.visits) for a 32-layer nn.TransformerEncoder are at most 2.2x those of a 16-layer one,
-with the default strategy and with every fusion + recompute "auto" (issue 25).
+"""Compile work grows linearly with model depth: Op/Var visits of capture, every pass, the pass manager's own work
+and codegen (deterministic counts, not times; fleetc.ir.visits) for a 32-layer nn.TransformerEncoder are at most
+2.2x those of a 16-layer one, with the default strategy and with every fusion + recompute "auto" (issue 25).
 
 The recompute min-cut runs in networkx, which the visit counter does not see; its Python function calls are
 counted instead. The memory-budget search (`recompute_configs.memory_budget_mb`) builds, costs and (at worst) tries
@@ -49,13 +49,18 @@ def visits() -> dict[int, dict[str, dict[str, int]]]:
 def test_every_stage_grows_linearly(visits, strategy):
     shallow, deep = visits[SHALLOW][strategy], visits[DEEP][strategy]
     assert shallow.keys() == deep.keys()
-    assert {"capture", "dead_code_elimination", "codegen", "codegen_source"} <= shallow.keys()
+    assert {"capture", "dead_code_elimination", "pass_manager", "codegen", "codegen_source"} <= shallow.keys()
     if strategy == "all_passes":
         assert {"recompute", "fuse_gemm_epilogue", "auto_fusion"} <= shallow.keys()
-    ratios = {stage: deep[stage] / shallow[stage] for stage in shallow}
+    # a pass with nothing to do (the data-parallel passes in one process) looks at no op since the manager stopped
+    # copying the Program for each pass: no work at either depth is linear too
+    idle = {stage for stage in shallow if shallow[stage] == deep[stage] == 0}
+    ratios = {stage: deep[stage] / shallow[stage] if shallow[stage] else float("inf")
+              for stage in shallow if stage not in idle}
     superlinear = {stage: round(r, 2) for stage, r in ratios.items() if r > LIMIT}
     assert not superlinear, f"{DEEP} vs {SHALLOW} layers, visits ratio above {LIMIT}: {superlinear}"
-    assert all(r > 1.5 for r in ratios.values()), f"a stage did not grow with depth at all: {ratios}"
+    flat = {stage: (shallow[stage], deep[stage]) for stage, r in ratios.items() if r <= 1.5}
+    assert not flat, f"a stage did not grow with depth at all (visits at {SHALLOW} and {DEEP} layers): {flat}"
 
 
 def _min_cut_calls(depth: int) -> int:

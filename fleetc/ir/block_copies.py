@@ -24,7 +24,8 @@ from fleetc.ir.repeated_blocks import _instance
 REUSE_ENV = "FLEETC_BLOCK_REUSE"
 REUSERS = ("amp", "fusion")
 # AMP's memo saves most of its pass's time; replaying fusion answers costs more than the matchers it skips (the
-# copies are verified in each pass, bench/README.md), so it is opt-in until that verification is kept across passes.
+# copies are verified in each pass, and one such walk costs more than all the matchers' work: bench/README.md), so
+# it is opt-in.
 DEFAULT_REUSERS = ("amp",)
 
 

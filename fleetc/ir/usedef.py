@@ -10,10 +10,20 @@ rewrite. Removed ops leave an empty slot, so positions never shift; `compact` wr
 `check_consistent` compares an index with one rebuilt from scratch; with `CHECK` on (tests/conftest.py turns it
 on) every `compact()` runs it through the IR verifier, so a pass that edits the block behind the index's back,
 or updates the index wrongly, fails the test that runs it.
+
+Across passes: while the pass manager runs its one live Program (`keeping(program)`), a pass that edits the block
+only through its index hands the index on (`hand_on`, after its last edit), and the next pass may start from it
+(`handed_on`) instead of walking the block again. After each pass the manager calls `pass_done`: only the indexes that
+pass handed on survive, so an index never outlives a pass that might have edited the block without it. Programs
+with sub-blocks keep none: a rename in one block rewrites reads inside another's ops. With `CHECK` on, a kept index
+is verified when a pass takes it.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
+from collections.abc import Iterator
 
 from fleetc.ir.liveness import block_reads
 from fleetc.ir.program import Block, Op, Program
@@ -49,6 +59,18 @@ class UseDef:
         self.writers: dict[str, list[Op]] = {}
         for op in block.ops:
             self._add(op)
+
+    @classmethod
+    def sharing(cls, other: UseDef) -> UseDef:
+        """A plain index over `other`'s state (the same tables, not copies)."""
+        new = object.__new__(cls)
+        new.share(other)
+        return new
+
+    def share(self, other: UseDef) -> None:
+        """Take `other`'s tables (not copies) as this index's: edits through either show in both."""
+        for name in ("program", "block", "built_from", "slots", "position", "readers", "writers"):
+            setattr(self, name, getattr(other, name))
 
     def _add(self, op: Op) -> None:
         for name in block_reads(self.program, op):
@@ -98,13 +120,75 @@ class UseDef:
             self.readers.setdefault(new, []).append(reader)
 
     def compact(self) -> None:
-        """Write the surviving ops, in order, back to the block."""
+        """Write the surviving ops, in order, back to the block, and number them afresh (an index kept for the next
+        pass is then the one a fresh walk would build)."""
         if CHECK:
             from fleetc.ir.verifier import verify_usedef
 
             verify_usedef(self)
-        self.block.ops = self.ops()
+        self.slots = self.ops()
+        self.position = {op.name: i for i, op in enumerate(self.slots)}
+        self.block.ops = list(self.slots)
         self.built_from = (self.block.ops, len(self.block.ops))
+
+
+class _Kept:
+    """The indexes kept for one live Program during one pass-manager run: block index → UseDef, as the previous
+    pass handed them on (`blocks`) and as the running pass hands them on (`handed`)."""
+
+    def __init__(self, program: Program):
+        self.program = program
+        self.blocks: dict[int, UseDef] = {}
+        self.handed: dict[int, UseDef] = {}
+
+
+_state = threading.local()  # .kept: the current thread's _Kept (pipeline ranks may compile on threads)
+
+
+def _current() -> _Kept | None:
+    return getattr(_state, "kept", None)
+
+
+@contextlib.contextmanager
+def keeping(program: Program) -> Iterator[None]:
+    """While open (the pass manager's run), indexes of `program`'s blocks may be handed from pass to pass."""
+    outer, _state.kept = _current(), _Kept(program)
+    try:
+        yield
+    finally:
+        _state.kept = outer
+
+
+def pass_done(program: Program) -> None:
+    """A pass finished and returned `program` (the live Program from now on): the next pass may take only the
+    indexes this one handed on for it."""
+    kept = _current()
+    if kept is not None:
+        handed = kept.handed if program is kept.program else {}
+        kept.program, kept.blocks, kept.handed = program, handed, {}
+
+
+def handed_on(program: Program, block: Block) -> UseDef | None:
+    """The index a previous pass kept for `block` of `program`, while it still stands for the block's op list."""
+    kept = _current()
+    if kept is None or kept.program is not program:
+        return None
+    usedef = kept.blocks.get(block.idx)
+    if (usedef is None or usedef.block is not block or usedef.built_from[0] is not block.ops
+            or usedef.built_from[1] != len(block.ops)):
+        return None
+    if CHECK:
+        from fleetc.ir.verifier import verify_usedef
+
+        verify_usedef(usedef)
+    return usedef
+
+
+def hand_on(usedef: UseDef) -> None:
+    """Hand a compacted index on to the next pass, when the manager runs its Program and it has no sub-blocks."""
+    kept = _current()
+    if kept is not None and kept.program is usedef.program and len(usedef.program.blocks) == 1:
+        kept.handed[usedef.block.idx] = UseDef.sharing(usedef)
 
 
 def check_consistent(usedef: UseDef) -> str | None:

@@ -33,7 +33,8 @@ class PassReport:
 
 
 class Pass(Protocol):
-    """A Program rewrite. `run` may mutate the Program it is given (the manager hands it a copy).
+    """A Program rewrite. `run` may mutate the Program it is given (the manager's live copy) and must be
+    deterministic: the history rebuilds earlier Programs by running the passes again (fleetc/passes/manager.py).
 
     `enabled_by` names the strategy field (dotted, e.g. "build_strategy.fuse_bn_act_ops") whose True puts the
     pass in the order, or is None for a pass that is always there and decides for itself whether it has work.

@@ -68,8 +68,9 @@ STRATEGIES = {"default": lambda: None, "all_passes": all_passes_strategy,
 def stage_visits(depth: int, strategy_names: tuple[str, ...] = tuple(STRATEGIES)) -> dict[str, dict[str, int]]:
     """{strategy: {stage: Op/Var attribute reads}} for compiles of one captured Program: `capture` (fleetc's part
     of it; the same Program serves every strategy, as capture does not depend on the strategy), every pass, and
-    `codegen` (building the Executable); `codegen_source` is the generated step's length in characters, which
-    CPython's `compile` of it is linear in (visits do not see that compile)."""
+    `pass_manager` (the manager's own work around the passes: its copy of the Program, fingerprints, the final
+    memory estimate), `codegen` (building the Executable); `codegen_source` is the generated step's length in
+    characters, which CPython's `compile` of it is linear in (visits do not see that compile)."""
     model, optimizer, batch = encoder_and_batch(depth)
     results = {}
     with count_visits() as counter:
@@ -80,9 +81,12 @@ def stage_visits(depth: int, strategy_names: tuple[str, ...] = tuple(STRATEGIES)
             instrument = VisitCountInstrument(counter)
             program = captured.clone()
             history = History([PassRecord("capture", program, PassReport("capture"), 0.0, estimate_memory(program))])
+            start = counter.total
             final = PassManager(ordered_passes(config), [instrument]).run(program, config, history)
+            manager = counter.total - start - sum(instrument.visits.values())
             start = counter.total
             executable = Executable(final)
-            results[name] = {"capture": capture, **instrument.visits, "codegen": counter.total - start,
+            results[name] = {"capture": capture, **instrument.visits, "pass_manager": manager,
+                             "codegen": counter.total - start,
                              "codegen_source": len(executable.source)}
     return results

@@ -20,7 +20,7 @@ import torch
 
 from fleetc.ir.program import Block, Op, Program, Ref, VarKind, map_refs
 from fleetc.ir.registry import resolve_callable
-from fleetc.ir.usedef import Names, UseDef
+from fleetc.ir.usedef import Names, UseDef, handed_on
 from fleetc.ops.fused_elementwise import OPERAND_PREFIX, operand, short_op_name
 from fleetc.ops.pointwise import REDUCTIONS, can_lower
 from fleetc.passes.base import PassReport
@@ -171,7 +171,7 @@ class AutoFusion:
         fused_index = 0
         names = Names(program)
         for block in program.blocks:
-            usedef = UseDef(program, block)
+            usedef = handed_on(program, block) or UseDef(program, block)  # the named fusions' index
             groups = [g for g in self._form_groups(program, usedef, choices) if choices.worth_fusing(g)]
             if not groups:
                 continue

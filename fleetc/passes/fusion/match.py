@@ -14,7 +14,7 @@ from typing import Callable
 
 from fleetc.ir.block_copies import find_block_copies, reuse_enabled
 from fleetc.ir.program import Block, Op, OpRole, Program, Var, VarKind
-from fleetc.ir.usedef import Names, UseDef
+from fleetc.ir.usedef import Names, UseDef, hand_on, handed_on
 from fleetc.passes.base import PassReport
 from fleetc.passes.cleanup.dce import drop_unused_temporaries
 from fleetc.passes.fusion.reuse import FusionPlans, Watch
@@ -23,12 +23,17 @@ from fleetc.passes.fusion.reuse import FusionPlans, Watch
 class BlockIndex(UseDef):
     """The block's use-def information (fleetc.ir.usedef) plus what fusion matching asks of it.
 
-    Built once per block: a fusion removes its members from the index and adds the fused op in place
-    (`apply_fusion`), so matching the whole block costs time linear in its size.
+    Built once per block, or taken from the previous fusion pass (`fleetc.ir.usedef.handed_on`): a fusion removes its
+    members from the index and adds the fused op in place (`apply_fusion`), so matching the whole block costs time
+    linear in its size.
     """
 
     def __init__(self, program: Program, block: Block, by_forward: dict[str, list[Op]], names: Names):
-        super().__init__(program, block)
+        previous = handed_on(program, block)
+        if previous is None:
+            super().__init__(program, block)
+        else:
+            self.share(previous)
         self.fetched = set(program.fetches.values())
         self.by_forward = by_forward  # program-wide: forward op name → the backward ops naming it
         self.names = names  # fused ops get fresh names
@@ -245,6 +250,7 @@ def _fuse_block(index: BlockIndex, report: PassReport, pass_name: str, match_for
         report.count("backward_groups")
         report.count("ops_removed", len(result.group) - 1)
     index.compact()
+    hand_on(index)
     return len(fused_forward)
 
 
