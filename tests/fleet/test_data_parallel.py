@@ -126,3 +126,24 @@ def test_four_ranks_hierarchical_and_two_communicators(tmp_path):
     assert hierarchical["groups"]["intra:0"] == [[0, 1], [2, 3]]
     assert hierarchical["groups"]["inter:1"] == [[0, 2], [1, 3]]
     assert hierarchical["collectives"] == 3
+
+
+PURE_LOW_PRECISION = {"zoo": "mlp", "optimizer": "momentum", "steps": 3,
+                      "strategy": {"amp": True, "amp_configs": {"use_pure_fp16": True, "use_fp16_guard": False,
+                                                                "dtype": "bfloat16"}}}
+
+
+@pytest.mark.slow
+def test_pure_low_precision_ranks_update_from_the_averaged_gradient(tmp_path):
+    """`use_pure_fp16`: the float32 master weights are updated from the cast of the averaged gradient. The cast sits
+    in backward, where a gradient read means the rank's own value; it once read that, and the ranks drifted apart."""
+    results = spawn(2, "train_configs", {"configs": [PURE_LOW_PRECISION]}, tmp_path, deadline_s=150)
+    assert_all_ok(results)
+    runs = [r.result["runs"][0] for r in results]
+    assert any(not torch.equal(runs[0]["state"][k], v.to(runs[0]["state"][k].dtype))
+               for k, v in runs[0]["initial"].items()), "nothing trained"
+    for name, value in runs[0]["state"].items():
+        assert torch.equal(runs[1]["state"][name], value), f"{name}: the ranks' parameters differ"
+    _, state = reference(PURE_LOW_PRECISION, 2, runs[0]["initial"], False)
+    for name, want in state.items():  # bfloat16 parameters against float32 eager on the full batch
+        torch.testing.assert_close(runs[0]["state"][name].float(), want, rtol=2e-2, atol=1e-2, msg=lambda m: f"{name}: {m}")

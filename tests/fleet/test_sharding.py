@@ -194,6 +194,9 @@ def stage_2_beside_plain_data_parallel(strategy: dict, zoo: str = "mlp", steps: 
             for extra in ({}, sharded(stage))]
 
 
+# use_pure_fp16: bfloat16 parameters, float32 master weights in the (sharded) optimizer state
+PURE_BF16 = {"amp": True, "amp_configs": {"use_pure_fp16": True, "use_fp16_guard": False, "dtype": "bfloat16"}}
+
 # Stage 2 must train exactly as unsharded data parallel does under each composed strategy (which itself matches
 # eager training in test_data_parallel.py): AMP (each rank checks its pieces of the flat buckets, found_inf
 # max-allreduced), gradient merge (whole accumulators reduce-scattered flat once per k steps), recompute.
@@ -202,6 +205,7 @@ COMPOSED = [
     *stage_2_beside_plain_data_parallel({"gradient_merge": True, "gradient_merge_configs": {"k_steps": 2}}, steps=4),
     *stage_2_beside_plain_data_parallel({"recompute": True, "recompute_configs": {"checkpoints": ["layers.0"]}},
                                         zoo="gpt"),
+    *stage_2_beside_plain_data_parallel(PURE_BF16),
 ]
 
 
@@ -237,6 +241,8 @@ def test_stages_2_and_3_compose_with_amp_gradient_merge_and_recompute(tmp_path, 
                 memory = run["memory"]
                 assert abs(memory["total_bytes"] - memory["formula_bytes"]) <= 0.1 * memory["formula_bytes"], memory
         assert merged["report"]["sharding"]["owned_params"] > 0
+        if composed is COMPOSED:  # the master weights' updates read pieces of the averaged gradients too
+            assert runs[7]["report"]["sharding"]["params_split"] >= 1
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ from fleetc.comm.collectives import FLAT, HIERARCHICAL
 from fleetc.comm.groups import group_partitions
 from fleetc.errors import StrategyError
 from fleetc.ir.program import Op, OpRole, Program, Ref, Var, VarKind
+from fleetc.ops.optimizer import MASTER_KEY
 from fleetc.passes.base import PassReport
 from fleetc.passes.cleanup.dce import dead_op_names
 from fleetc.passes.data_parallel.common import (
@@ -65,7 +66,10 @@ def _is_backward(op: Op) -> bool:
 
 def name_full_precision_gradients(program: Program, grads: list[str]) -> None:
     """Under AMP (O1) a float32 parameter's gradient is computed in low precision and cast back: make the cast the
-    gradient the ranks average, `<param>@GRAD`, and rename the low-precision one `<param>@GRAD@<dtype>`.
+    gradient the ranks average, `<param>@GRAD`, and rename the low-precision one `<param>@GRAD@<dtype>`. Under
+    `use_pure_fp16` the same holds for the cast that feeds the float32 master weight's update: the cast sits in
+    backward, where reads of `<param>@GRAD` mean the rank's own value, so without the rename the update would read
+    the local gradient, not the average.
 
     Paddle and torch DDP sum a float32 parameter's gradient in float32; summing the bfloat16 one loses precision
     that only Paddle's `fp16_allreduce` opts into. Renaming (rather than averaging the cast under its own name)
@@ -73,7 +77,9 @@ def name_full_precision_gradients(program: Program, grads: list[str]) -> None:
     block = program.global_block
     mapping: dict[str, str] = {}
     for grad in grads:
-        dtype = program.var(grad.removesuffix(GRAD_SUFFIX)).dtype
+        param = grad.removesuffix(GRAD_SUFFIX)
+        master = program.find_var(f"{param}@{MASTER_KEY}")  # use_pure_fp16: the update reads the float32 cast
+        dtype = (master or program.var(param)).dtype
         if block.vars[grad].dtype == dtype:
             continue
         cast = next((op.outputs[0] for op in block.ops if op.type == AMP_CAST and op.args[0] == Ref(grad)

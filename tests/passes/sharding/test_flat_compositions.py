@@ -73,3 +73,23 @@ def test_what_needs_whole_gradients_keeps_whole_parameter_ownership(mlp, clip, f
     final, report = rank_0(mlp, grad_clip=clip, **fields)
     assert "params_split" not in report.stats and "state_pieces" not in final.metadata
     assert any(note.startswith("stage 2 owns whole parameters here") and reason in note for note in report.notes)
+
+
+PURE_BF16 = {"amp": True, "amp_configs": {"use_pure_fp16": True, "use_fp16_guard": False, "dtype": "bfloat16"}}
+
+
+def test_pure_low_precision_updates_pieces_of_the_averaged_gradients(mlp):
+    """use_pure_fp16: the master weights' gradient is the float32 cast, averaged (name_full_precision_gradients),
+    so stage 2 cuts it into pieces like any other (tests/fleet/test_sharding.py trains it against data parallel)."""
+    final, report = rank_0(mlp, **PURE_BF16)
+    assert report.stats["params_split"] >= 1
+    update = next(op for _, op in final.walk_ops() if op.attrs.get("param") == "fc2.weight")
+    assert update.args[0].name == "fc2.weight@master_weight" and tuple(final.var(update.args[1].name).shape) == (2811,)
+
+
+def test_stage_3_with_pure_low_precision_is_refused_by_name(mlp):
+    stamped = mlp.clone()
+    stamped.metadata["sharding"] = sharding_metadata(ProcessMesh(sharding=2), 0)
+    with pytest.raises(fleetc.StrategyError, match="stage 3 with amp_configs.use_pure_fp16"):
+        run_data_parallel_passes(stamped, 2, sharding=True, sharding_configs={"stage": 3, "sharding_degree": 2},
+                                 **PURE_BF16)
