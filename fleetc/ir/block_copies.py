@@ -9,8 +9,8 @@ one-to-one correspondence of names. A block that matches no earlier block is a r
 copy is left out (its pass matches it as usual). The walk is done by each pass that reuses plans, on the Program
 it is given: earlier passes may have changed any block.
 
-`FLEETC_BLOCK_REUSE` chooses who reuses (`reuse_enabled`): `1` all, `0` none, or a list (`fusion,amp`); by default
-only AMP. Tests assert that a Program built with reuse prints exactly as one built without it.
+`FLEETC_BLOCK_REUSE` chooses who reuses (`reuse_enabled`): `1` all, `0` none, or a list (`fusion,amp,recompute`); by
+default only AMP. Tests assert that a Program built with reuse prints exactly as one built without it.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from fleetc.ir.program import Op, Program, Ref
 from fleetc.ir.repeated_blocks import _instance
 
 REUSE_ENV = "FLEETC_BLOCK_REUSE"
-REUSERS = ("amp", "fusion")
+REUSERS = ("amp", "fusion", "recompute")
 # AMP's memo saves most of its pass's time; replaying fusion answers costs more than the matchers it skips (the
 # copies are verified in each pass, and one such walk costs more than all the matchers' work: bench/README.md), so
 # it is opt-in.
@@ -30,7 +30,7 @@ DEFAULT_REUSERS = ("amp",)
 
 
 def reuse_enabled(reuser: str) -> bool:
-    """Whether `reuser` ("amp" or "fusion") reuses plans across identical blocks: `FLEETC_BLOCK_REUSE` is `0` (none),
+    """Whether `reuser` (one of `REUSERS`) reuses plans across identical blocks: `FLEETC_BLOCK_REUSE` is `0` (none),
     `1` (all) or a comma-separated list of reusers; unset, only AMP does."""
     value = os.environ.get(REUSE_ENV)
     if value is None:
