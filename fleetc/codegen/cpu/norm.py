@@ -65,6 +65,20 @@ def _run_sum(expr: str, out: str, indent: str = "") -> list[str]:
             f"{indent}}}"]
 
 
+def _forward_pointers(t: str) -> list[str]:
+    """The forward kernels' first ten data pointers (NCHW and NHWC alike), element type `t`."""
+    return [f"  const {t}* x = (const {t}*)data[0];",
+            f"  const {t}* res = (const {t}*)data[1];",
+            "  const float* weight = (const float*)data[2];",
+            "  const float* bias = (const float*)data[3];",
+            "  float* running_mean = (float*)data[4];",
+            "  float* running_var = (float*)data[5];",
+            f"  {t}* out = ({t}*)data[6];",
+            f"  {t}* pre = ({t}*)data[7];",
+            "  float* mean_out = (float*)data[8];",
+            "  float* rstd_out = (float*)data[9];"]
+
+
 @functools.lru_cache(maxsize=None)
 def forward_kernel(dtype: str, training: bool, residual: bool, act: str, param: Any) -> CppKernel:
     """data = [x, residual, weight, bias, running_mean, running_var, out, pre, mean, rstd]; scalars = [momentum, eps]."""
@@ -72,16 +86,7 @@ def forward_kernel(dtype: str, training: bool, residual: bool, act: str, param: 
     name = f"fused_bn{'_add' * residual}_{_act_tag(act, param)}_{'train' if training else 'eval'}_{dtype}"
     x = load(dtype, "x[o + s]")
     lines = [signature(name) + " {",
-             f"  const {t}* x = (const {t}*)data[0];",
-             f"  const {t}* res = (const {t}*)data[1];",
-             "  const float* weight = (const float*)data[2];",
-             "  const float* bias = (const float*)data[3];",
-             "  float* running_mean = (float*)data[4];",
-             "  float* running_var = (float*)data[5];",
-             f"  {t}* out = ({t}*)data[6];",
-             f"  {t}* pre = ({t}*)data[7];",
-             "  float* mean_out = (float*)data[8];",
-             "  float* rstd_out = (float*)data[9];",
+             *_forward_pointers(t),
              "  const double momentum = scalars[0], eps = scalars[1];"]
     if training:
         stats = ["double total = 0.0, m2 = 0.0;", *_run_sum(x, "total"),
@@ -218,16 +223,7 @@ def forward_kernel_nhwc(dtype: str, training: bool, residual: bool, act: str, pa
     name = f"fused_bn{'_add' * residual}_{_act_tag(act, param)}_{'train' if training else 'eval'}_nhwc_{dtype}"
     x = load(dtype, "x[o + c]")
     lines = [signature(name) + " {",
-             f"  const {t}* x = (const {t}*)data[0];",
-             f"  const {t}* res = (const {t}*)data[1];",
-             "  const float* weight = (const float*)data[2];",
-             "  const float* bias = (const float*)data[3];",
-             "  float* running_mean = (float*)data[4];",
-             "  float* running_var = (float*)data[5];",
-             f"  {t}* out = ({t}*)data[6];",
-             f"  {t}* pre = ({t}*)data[7];",
-             "  float* mean_out = (float*)data[8];",
-             "  float* rstd_out = (float*)data[9];",
+             *_forward_pointers(t),
              "  double* part = (double*)data[10];",
              *_NHWC_HEAD,
              "  float* mean = (float*)data[11];",
