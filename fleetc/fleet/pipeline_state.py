@@ -7,6 +7,10 @@ entries keep their initial values.
 Checkpoints: each pipeline rank writes its own part (`pipeline.pp<index>.pt`, runtime/pipeline_checkpoint.py) into
 one staged version, only the first data-parallel replica of each stage writing (replicas hold the same state), and
 the first rank commits after all parts are in (fleet/checkpoint_parts.py, the crash-safe commit sharding uses too).
+Under sharding (stages 1 and 2) each stage's optimizer state is split over its sharding group: every sharding rank
+of a stage writes the state it owns of the stage's stored parameters as an optimizer shard file
+(fleet/sharded_state.py's naming, one index per (stage, sharding rank)) beside the stage's part, which then holds
+no optimizer state; loading merges the shards and the parts back into one checkpoint.
 A persistable several stages hold (tied embeddings) is stored once, by its lowest stage's rank. Gradient-merge sums
 carried mid-period are in the part; with data-parallel replicas (whose sums differ until the update's allreduce
 averages them) the part holds their average, which gives the same update.
@@ -92,20 +96,30 @@ def _replica_mean(merge: dict, replicas: list[int]) -> dict:
 
 
 def save_pipeline_checkpoint(root: str, live: TrainerState, config: Any, rng: list, pipe: PipelineExecutor,
-                             writes: bool, replicas: list[int]) -> str:
-    """Every rank calls it. `writes`: this rank is its stage's first data-parallel replica; `replicas`: the global
-    ranks holding the same stage. Returns the committed version's directory (CheckpointError on every rank when
-    any write failed)."""
+                             writes: bool, replicas: list[int], shard: tuple[str, list[list[int]]] | None = None,
+                             writes_shard: bool = False) -> str:
+    """Every rank calls it. `writes`: this rank is its stage's first replica; `replicas`: the global ranks holding
+    the same stage. `shard`: under sharding, (this rank's optimizer shard file, its pieces as `state_pieces` gives
+    them): the optimizer state of the parameters this part stores then goes into that file, which each rank with
+    `writes_shard` (one replica of each shard) writes, and the part holds none. Returns the committed version's
+    directory (CheckpointError on every rank when any write failed)."""
     index = pipe.ranks_here[0]
     by, tied = stored_by(pipe), tied_keys(live.model)
     merge = _replica_mean(pipe.merge_state(), replicas)
-    part = None
-    if writes:
-        part = (PART_FILE.format(index), {**_entries(live, lambda n: by.get(n) == index and n not in tied),
-                                          "merge": merge})
+    stored = _entries(live, lambda n: by.get(n) == index and n not in tied)
+    parts = []
+    if shard is not None:  # about: the parameter indices (and pieces) the shard file holds, for the manifest
+        optimizer, stored["optimizer"] = stored["optimizer"], {}
+        pieces = [piece for piece in shard[1] if piece[0] in optimizer]
+        parts += [(shard[0], optimizer, (sorted(optimizer), pieces))] if writes_shard else []
+    if writes:  # about None: a pipeline part
+        parts.append((PART_FILE.format(index), {**stored, "merge": merge}, None))
     rest = _entries(live, lambda n: n not in by and n not in tied)  # held by no stage: the first rank writes them
 
     def commit(staged: Any, written: dict[str, Any]) -> str:
-        parts = {"files": list(written), "tied": tied, "model": rest["model"], "optimizer_state": rest["optimizer"]}
-        return write_checkpoint(staged, live, config, rng, pipeline_parts=parts)
-    return save_with_parts(root, part, commit)
+        shards = {name: about for name, about in written.items() if about is not None}
+        parts = {"files": [name for name, about in written.items() if about is None], "tied": tied,
+                 "model": rest["model"], "optimizer_state": rest["optimizer"]}
+        return write_checkpoint(staged, live, config, rng, {n: held for n, (held, _) in shards.items()},
+                                {n: split for n, (_, split) in shards.items()}, pipeline_parts=parts)
+    return save_with_parts(root, parts, commit)

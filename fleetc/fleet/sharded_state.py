@@ -28,12 +28,13 @@ def save_sharded_checkpoint(root: str, live: TrainerState, config: Any, rng: lis
     parameter indices each file holds and `pieces`: [index, lo, hi] of each parameter of which this rank holds only
     a piece of the state (`state_pieces`)."""
     entries = live.optimizer.state_dict()["state"]
-    part = (SHARD_FILE.format(shard_index), entries) if writes_shard else None
+    about = (sorted(entries), list(pieces))
+    parts = [(SHARD_FILE.format(shard_index), entries, about)] if writes_shard else []
 
     def commit(staged: Any, written: dict[str, Any]) -> str:
         return write_checkpoint(staged, live, config, rng, {n: held for n, (held, _) in written.items()},
                                 {n: split for n, (_, split) in written.items()})
-    return save_with_parts(root, part, commit, (sorted(entries), list(pieces)))
+    return save_with_parts(root, parts, commit)
 
 
 def drop_foreign_state(optimizer: torch.optim.Optimizer | None, model: nn.Module, owned: set[str]) -> int:

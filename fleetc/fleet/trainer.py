@@ -18,6 +18,7 @@ from fleetc.errors import CheckpointError, StrategyError
 from fleetc.fleet.pipeline_state import gather_stage_state, save_pipeline_checkpoint
 from fleetc.fleet.sharded_params import HeldParameters, sharded_parameters, whole
 from fleetc.fleet.sharded_state import (
+    SHARD_FILE,
     drop_foreign_state,
     owned_indices,
     owned_parameters,
@@ -222,20 +223,14 @@ class DataParallelTrainer(CompiledTrainer):
         """Every rank calls it: their RNG states are gathered, the first rank writes a new crash-safe version, and
         all wait for it (CheckpointError on every rank when the write failed). Under sharding each shard, and with
         one pipeline stage per process each stage, writes its own part into that version first."""
-        if self._owned is not None and self.mesh.pp > 1:  # same on every rank: all refuse, nobody waits
-            raise CheckpointError("checkpoints of a sharded pipeline (strategy.sharding with strategy.pipeline across "
-                                  "processes) are not built yet: each stage's optimizer state is split over its "
-                                  "sharding group, and the shard files are named by the sharding rank alone")
         with whole(self._sharded_params):
             return self._save_whole(dirname)
 
     def _save_whole(self, dirname: str) -> str:
         rng = host.gather_objects(rng_state(), "checkpoint (gathering RNG states)")
         pipeline = self._distributed_pipeline()
-        if pipeline is not None and self._owned is None:  # each stage writes its own part
-            return save_pipeline_checkpoint(dirname, self._live_state(), self.config, rng, pipeline,
-                                            self.mesh.coordinates(env.rank())["dp"] == 0,
-                                            self.mesh.group_of("dp", env.rank()))
+        if pipeline is not None:  # each stage writes its own part (sharded: and each shard its optimizer file)
+            return self._save_pipeline(dirname, rng, pipeline)
         self._gather_pipeline_stages()
         live = self._live_state()
         if self._owned is not None and self.optimizer is not None:  # sharded: each shard's entries in its own file
@@ -253,6 +248,19 @@ class DataParallelTrainer(CompiledTrainer):
         if outcome[1] is not None:
             raise CheckpointError(f"the first rank could not write checkpoint {dirname!r}: {outcome[1]}")
         return outcome[0]
+
+    def _save_pipeline(self, dirname: str, rng: list, pipeline: DistributedPipeline) -> str:
+        """A pipeline's checkpoint: the first replica of each stage writes the stage's part; under sharding every
+        (stage, sharding rank) of the first data-parallel replica writes its optimizer shard file too."""
+        at = self.mesh.coordinates(env.rank())
+        replicas = [r for r in range(self.world_size) if self.mesh.coordinates(r)["pp"] == at["pp"]]
+        shard = None
+        if self._owned is not None and self.optimizer is not None:
+            stage_program = pipeline.plan.stages[pipeline.ranks_here[0]].phases["optimizer"]
+            shard = (SHARD_FILE.format(at["pp"] * self.mesh.sharding + at["sharding"]),
+                     state_pieces(stage_program.metadata, self.optimizer, self.model))
+        return save_pipeline_checkpoint(dirname, self._live_state(), self.config, rng, pipeline,
+                                        at["dp"] == 0 and at["sharding"] == 0, replicas, shard, at["dp"] == 0)
 
     def load_checkpoint(self, dirname: str) -> str:
         """Every rank checks the checkpoint; only when all found it fitting does each restore it (all or nothing,

@@ -91,18 +91,13 @@ def fleet_train(rank: int, args: dict, out_dir: str) -> None:
                 "state_pieces": len(optimizer_program.metadata.get("state_pieces", {})),
                 "state_elements": sum(t.numel() for slot in trainer.optimizer.state.values() for t in slot.values()
                                       if isinstance(t, torch.Tensor) and t.dim() > 0)}
-    if args.get("sharding_stage"):  # refused by name on every rank (none waits for the others)
-        try:
-            fleet.save_persistables(os.path.join(out_dir, "checkpoint"))
-        except fleetc.CheckpointError as error:
-            sharding["checkpoint"] = str(error)
     named = {n: p.detach().clone() for n, p in model.named_parameters()}  # before a checkpoint gathers the rest
     evaluated = trainer(batch[0]) if args.get("evaluate") else None   # every rank calls it
     eval_executor = type(trainer._last_eval.pipeline).__name__ if args.get("evaluate") else None
     resumed = {}
     if args.get("checkpoint"):
         fleet.save_persistables(os.path.join(out_dir, "checkpoint"))
-        resumed = _resume(rank, args, strategy, os.path.join(out_dir, "checkpoint"), g)
+        resumed = _resume(rank, args, strategy, os.path.join(out_dir, "checkpoint"), g, replica)
     torch.save({"losses": losses, "mesh": str(trainer.mesh), "executor": type(pipe).__name__, "evaluated": evaluated, "resumed": resumed,
                 "eval_executor": eval_executor,
                 "skipped": trainer.report().skipped, "sharding": sharding,
@@ -141,9 +136,9 @@ def amp_train(rank: int, args: dict, out_dir: str) -> None:
     fleet.stop_worker()
 
 
-def _resume(rank: int, args: dict, strategy, dirname: str, g: torch.Generator) -> dict:
-    """A fresh model and trainer on the same pipeline load the checkpoint and take the next step: this rank's stage
-    parameters after it."""
+def _resume(rank: int, args: dict, strategy, dirname: str, g: torch.Generator, replica: int) -> dict:
+    """A fresh model and trainer on the same pipeline load the checkpoint and take the next step on this rank's
+    replica's share of the batch: this rank's stage parameters after it."""
     make, optimizer_name = STAGED[args["model"]]
     torch.manual_seed(100 + rank)
     model = make(args["stages"])
@@ -152,7 +147,7 @@ def _resume(rank: int, args: dict, strategy, dirname: str, g: torch.Generator) -
     fleet.load_persistables(dirname, trainer)
     batch, _ = ZOO[args["model"]].make_batch(g)
     replicas = dist.get_world_size() // args["stages"]
-    trainer.step(*(a.chunk(replicas)[rank // args["stages"]] for a in batch))
+    trainer.step(*(a.chunk(replicas)[replica] for a in batch))
     pipe = trainer._last_train.pipeline
     named = dict(model.named_parameters())
     return {n: named[n].detach().clone() for n in pipe.plan.stages[pipe.ranks_here[0]].params}

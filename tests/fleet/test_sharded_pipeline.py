@@ -6,16 +6,20 @@ tied gradient's sum over stages and the sharded update compose."""
 from __future__ import annotations
 
 import os
+import pathlib
 
 import pytest
 import torch
 from helpers.pipeline import STAGED, fleet_reference
-from zoo import ZOO
+from zoo import OPTIMIZERS, ZOO
 
+import fleetc
 from fleet.spawn import spawn
 from fleetc.comm.mesh import ProcessMesh
+from fleetc.fleet.sharded_state import SHARD_FILE
 from fleetc.passes.data_parallel.common import START
 from fleetc.passes.sharding.optimizer_sharding import GATHER, RS_START
+from fleetc.runtime import checkpoint_commit
 
 pytestmark = pytest.mark.slow  # CI still runs them
 
@@ -31,7 +35,8 @@ CASES = [("gpt", 2, None, 1)] + ([("gpt", 1, None, 1), ("cnn", 1, None, 1), ("cn
 def test_sharded_stages_of_a_pipeline_match_eager(zoo_name, stage, clip_norm, k_steps, tmp_path):
     args = {"model": zoo_name, "mode": "1F1B", "microbatches": MICROBATCHES, "steps": STEPS * k_steps,
             "stages": STAGES, "batch": 4, "sharding_stage": stage, "clip_norm": clip_norm, "k_steps": k_steps,
-            "evaluate": zoo_name == "gpt"}  # GPT: no BatchNorm statistics, which each replica keeps its own of
+            "evaluate": zoo_name == "gpt",  # GPT: no BatchNorm statistics, which each replica keeps its own of
+            "checkpoint": (zoo_name, clip_norm, k_steps) == ("gpt", None, 1)}
     results = spawn(STAGES * SHARDS, "fleet_train", args, tmp_path, deadline_s=300, module="fleet.pipeline_workers")
     for r in results:
         assert r.returncode == 0, r.output[-3000:]
@@ -57,7 +62,6 @@ def test_sharded_stages_of_a_pipeline_match_eager(zoo_name, stage, clip_norm, k_
             torch.testing.assert_close(value, params[name],
                                        msg=lambda m, name=name, rank=r.rank: f"rank {rank} {name}: {m}")
         sharding = r.result["sharding"]
-        assert sharding.get("checkpoint", "written").startswith("checkpoints of a sharded pipeline (strategy.sharding with")
         ops = sharding["optimizer_ops"]
         assert ops.count(GATHER) >= 1 and (RS_START in ops) == (stage == 2) and (START in ops) == (stage == 1)
         owned = set(sharding["owned"]) & set(r.result["params"])
@@ -76,3 +80,45 @@ def test_sharded_stages_of_a_pipeline_match_eager(zoo_name, stage, clip_norm, k_
         assert all("tok.weight" in r.result["params"] for r in results)  # tied: both stages hold it
     replica_losses = torch.tensor([results[mesh.rank(sharding=i)].result["losses"] for i in range(SHARDS)])
     torch.testing.assert_close(replica_losses.mean(0), torch.tensor(losses, dtype=replica_losses.dtype))
+    if args["checkpoint"]:
+        _check_checkpoint(results, tmp_path / "checkpoint")
+
+
+def _check_checkpoint(results: list, checkpoint: pathlib.Path) -> None:
+    """Saved after STEPS steps: each stage's first sharding rank wrote the stage's part (its parameters, the tied
+    embedding once), each (stage, sharding rank) its optimizer shard, in one commit. The same mesh resumed from it
+    takes the next step as the uninterrupted eager run does; so does one process (fleetc.compile without pipeline
+    or sharding), and fleetc.read_checkpoint gives the whole model."""
+    version = checkpoint_commit.open_latest(str(checkpoint), ())
+    assert version.meta["pipeline_parts"] == ["pipeline.pp00000.pt", "pipeline.pp00001.pt"]
+    assert version.meta["optimizer_shards"] == [SHARD_FILE.format(i) for i in range(STAGES * SHARDS)]
+    assert version.meta["tied"] == {"lm_head.weight": "tok.weight"}
+    assert version.read("optimizer.pt")["state"] == {}  # all of it in the shard files
+    assert all(version.read(name)["optimizer"] == {} for name in version.meta["pipeline_parts"])
+    held = version.meta["optimizer_shard_params"]
+    pieces = version.meta.get("optimizer_shard_pieces", {})
+    whole_in = [i for name in version.meta["optimizer_shards"] for i in held[name]
+                if i not in {index for index, _, _ in pieces.get(name, ())}]
+    make, optimizer_name = STAGED["gpt"]
+    model = make(STAGES)
+    cut = {index for split in pieces.values() for index, _, _ in split}  # flat stage 2: cut between two ranks
+    assert sorted(whole_in + sorted(cut)) == list(range(len(list(model.parameters()))))  # every one's state, once
+    _, saved = fleet_reference("gpt", STAGES, SHARDS * MICROBATCHES, STEPS)
+    _, continued = fleet_reference("gpt", STAGES, SHARDS * MICROBATCHES, STEPS + 1)
+    whole = fleetc.read_checkpoint(str(checkpoint))
+    for name, value in saved.items():
+        torch.testing.assert_close(whole["model"][name], value, msg=lambda m, name=name: f"{name}: {m}")
+    assert whole["model"]["lm_head.weight"] is whole["model"]["tok.weight"]
+    trainer = fleetc.compile(model, optimizer=OPTIMIZERS[optimizer_name](model.parameters()),
+                             loss_fn=ZOO["gpt"].loss_fn)
+    trainer.load_checkpoint(str(checkpoint))
+    g = torch.Generator().manual_seed(1)
+    batch = [ZOO["gpt"].make_batch(g)[0] for _ in range(STEPS + 1)][-1]
+    trainer.step(*batch)
+    for name, p in model.named_parameters():  # Adam's moments restored whole: the same update
+        torch.testing.assert_close(p.detach(), continued[name], msg=lambda m, name=name: f"one process {name}: {m}")
+    for r in results:  # the same mesh, fresh trainers, resumed from it
+        assert r.result["resumed"]
+        for name, value in r.result["resumed"].items():
+            torch.testing.assert_close(value, continued[name],
+                                       msg=lambda m, name=name, rank=r.rank: f"rank {rank} resumed {name}: {m}")
