@@ -2,7 +2,9 @@
 sharding group (ZeRO stage 1: owners update, parameters all-gathered; stage 2: the gradient average is a
 reduce-scatter). Every rank matches eager PyTorch accumulating over the same micro-batches of every replica; each
 rank holds optimizer state only for the parameters it owns. GPT ties its embeddings across the two stages: the
-tied gradient's sum over stages and the sharded update compose."""
+tied gradient's sum over stages and the sharded update compose. The GPT run under stage 2 also checkpoints: each
+stage's part and each (stage, sharding rank)'s optimizer shard in one commit, resumed on the same mesh and in one
+process."""
 from __future__ import annotations
 
 import os
