@@ -191,6 +191,13 @@ def hand_on(usedef: UseDef) -> None:
         kept.handed[usedef.block.idx] = UseDef.sharing(usedef)
 
 
+def withdraw(program: Program) -> None:
+    """`program` was edited after its pass handed an index on, not through that index: the next pass builds its own."""
+    kept = _current()
+    if kept is not None and kept.program is program:
+        kept.handed = {}
+
+
 def check_consistent(usedef: UseDef) -> str | None:
     """None when `usedef` matches its current ops exactly (positions in order, readers, writers) as an index
     rebuilt from scratch would; else what differs."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from fleetc.ir.program import Op, Program, Ref
+from fleetc.ir.usedef import withdraw
 from fleetc.passes.base import PassReport
 from fleetc.passes.fusion.dropout_rng import (
     MASK_FORM,
@@ -78,6 +79,7 @@ class FuseDropoutAdd:
             if choice.use_philox(program, program.var(op.args[0].name)):
                 why_not = to_philox(program, op)
                 if why_not is None:
+                    withdraw(program)  # to_philox edits ops behind the index fuse_forward_and_backward handed on
                     forms["philox"].append(op.name)
                     continue
                 report.notes.append(f"{op.name} ({op.module_path or 'top level'}): kept the mask form: {why_not}")
