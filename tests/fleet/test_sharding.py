@@ -233,13 +233,15 @@ def test_stages_2_and_3_compose_with_amp_gradient_merge_and_recompute(tmp_path, 
             assert any(not torch.equal(plain["initial"][k], v) for k, v in plain["state"].items())
         amp, merged = runs[1], runs[3]
         assert amp["report"]["sharding"]["found_inf_allreduces"] == 1
-        if composed is COMPOSED:  # stage 2 under AMP and gradient merge on flat buckets: fc2.weight is cut in two
-            assert amp["report"]["sharding"]["params_split"] >= 1
-            assert merged["report"]["sharding"]["params_split"] >= 1
-            assert merged["report"]["sharding"]["reduce_scatter_buckets"] == 1  # once per k steps, in the update
-            for run in (amp, merged):  # parameter + gradient + state bytes beside the formula's fp32 row
-                memory = run["memory"]
-                assert abs(memory["total_bytes"] - memory["formula_bytes"]) <= 0.1 * memory["formula_bytes"], memory
+        # stages 2 and 3 under AMP and gradient merge on flat buckets: fc2.weight is cut in two
+        assert amp["report"]["sharding"]["params_split"] >= 1
+        assert merged["report"]["sharding"]["params_split"] >= 1
+        assert merged["report"]["sharding"]["reduce_scatter_buckets"] == 1  # once per k steps, in the update
+        for run in (amp, merged):  # parameter + gradient + state bytes beside the formula's fp32 row
+            memory = run["memory"]
+            assert abs(memory["total_bytes"] - memory["formula_bytes"]) <= 0.1 * memory["formula_bytes"], memory
+        # the accumulators stay whole on every rank (each sums its own local gradients), on top of the formula
+        assert merged["memory"]["merge_accumulator_bytes"] == 4 * merged["memory"]["parameters"]
         assert merged["report"]["sharding"]["owned_params"] > 0
         if composed is COMPOSED:  # the master weights' updates read pieces of the averaged gradients too
             assert runs[7]["report"]["sharding"]["params_split"] >= 1
@@ -257,9 +259,10 @@ def test_a_dead_rank_in_the_reduce_scatter_fails_the_survivor_within_the_timeout
 
 # Global-norm clipping where each rank keeps only its gradient shards: the squared norm of the kept gradients is
 # summed over the sharding group, so every rank clips by the norm of all of them, as unsharded data parallel does
-# (itself checked against eager in test_data_parallel.py); under AMP each rank clips the shards it unscaled. Stage 2
-# splits the mlp's one bucket evenly, so a rank's pieces cut fc2.weight and the padding is in no piece.
+# (itself checked against eager in test_data_parallel.py); under AMP each rank clips the shards it unscaled. Stages 2
+# and 3 split the mlp's one bucket evenly, so a rank's pieces cut fc2.weight and the padding is in no piece.
 # Under gradient merge each rank clips its pieces of the merged gradients, reduce-scattered once per k steps.
+# Stage 3 (flat parameter buckets) does the same with the pieces of the parameters it holds.
 # clip_norm 0.05 clips every step of the mlp.
 def clipped(strategy: dict, clip: list | None = ("global_norm", 0.05)) -> dict:
     return {"optimizer": "adam", "steps": 3, "grad_clip": list(clip) if clip else None, "strategy": strategy}
@@ -268,7 +271,7 @@ def clipped(strategy: dict, clip: list | None = ("global_norm", 0.05)) -> dict:
 MERGED = {"gradient_merge": True, "gradient_merge_configs": {"k_steps": 2}}
 CLIPPED = [clipped({}), clipped(sharded(2)), clipped(sharded(3)), clipped({"amp": True}),
            clipped({**sharded(2), "amp": True}), clipped({}, clip=None), clipped(MERGED),
-           clipped({**sharded(2), **MERGED})]
+           clipped({**sharded(2), **MERGED}), clipped({**sharded(3), "amp": True}), clipped({**sharded(3), **MERGED})]
 
 
 @pytest.mark.slow
@@ -277,11 +280,13 @@ def test_global_norm_clipping_under_stages_2_and_3_equals_data_parallel(tmp_path
                     module="fleet.optimizer_workers")
     assert_all_ok(results)
     for result in results:
-        plain, stage_2, stage_3, amp, stage_2_amp, unclipped, merged, stage_2_merged = result.result
-        for reference, run in ((plain, stage_2), (plain, stage_3), (amp, stage_2_amp), (merged, stage_2_merged)):
+        plain, stage_2, stage_3, amp, stage_2_amp, unclipped, merged, stage_2_merged, stage_3_amp, stage_3_merged = \
+            result.result
+        for reference, run in ((plain, stage_2), (plain, stage_3), (amp, stage_2_amp), (merged, stage_2_merged),
+                               (amp, stage_3_amp), (merged, stage_3_merged)):
             assert run["stats"]["sharding"]["clip_norm_allreduces"] == 1
-            if run is not stage_3:  # stage 2 on flat buckets: the norm of the pieces, padding in none of them
-                assert run["stats"]["sharding"]["params_split"] >= 1
+            # flat buckets: the norm of the pieces (fc2.weight's cut in two), padding in none of them
+            assert run["stats"]["sharding"]["params_split"] >= 1
             for name, value in reference["state"].items():
                 torch.testing.assert_close(run["state"][name], value, msg=lambda m, name=name: f"{name}: {m}")
         assert any(not torch.allclose(unclipped["state"][k], v) for k, v in plain["state"].items())

@@ -20,7 +20,8 @@ from fleetc.passes.base import PassReport
 from fleetc.passes.data_parallel.allreduce import allreduce_ops
 from fleetc.passes.data_parallel.bucketing import MB, plan_buckets
 from fleetc.passes.data_parallel.common import ALLOC, START, WAIT, var_numel
-from fleetc.passes.sharding.flat_sharding import flat_refusal
+from fleetc.passes.sharding.flat_sharding import flat_refusal, narrow_gradient
+from fleetc.passes.sharding.merged_sharding import merged_accumulators
 from fleetc.passes.sharding.param_sharding import Gather, GatherPlan
 from fleetc.passes.sharding.plan import FlatBucket
 
@@ -75,10 +76,12 @@ def averaged_gradients(program: Program) -> set[str]:
 
 def flat_params_refusal(program: Program, updates: dict[int, list[Op]]) -> str | None:
     """Why a training Program's parameters cannot be held in flat pieces (None: they can): stage 2's reasons
-    (flat_sharding.py), or an updated parameter whose gradient no data-parallel bucket averages."""
+    (flat_sharding.py), or an updated parameter whose gradient no data-parallel bucket averages (under gradient
+    merge: that has no accumulator)."""
     params = list(dict.fromkeys(op.attrs["param"] for ops in updates.values() for op in ops))
     refusal = flat_refusal(program, updates, [params], params)
-    if refusal is None and any(p + GRAD not in averaged_gradients(program) for p in params):
+    averaged = set(merged_accumulators(program)) or {g.removesuffix(GRAD) for g in averaged_gradients(program)}
+    if refusal is None and any(p not in averaged for p in params):
         return "some updated parameter's gradient is not averaged in a bucket"
     return refusal
 
@@ -136,9 +139,11 @@ def flat_layout(bucket: FlatBucket, names: list[str], rank: int, degree: int) ->
 
 
 def narrow_updates(program: Program, updates: dict[int, list[Op]], partial: dict[str, tuple[int, int]],
-                   report: PassReport) -> None:
-    """Each kept update of a parameter this rank holds part of reads its piece: the gradient piece (a view of the
-    shard) and optimizer state of the piece's size (`state_pieces`); the parameter's own Var becomes the piece."""
+                   gradients: dict[str, str], report: PassReport) -> None:
+    """Each kept update of a parameter this rank holds part of reads its piece: the gradient piece
+    (`gradients[param]`, a view of the shard, and what the optimize section derives from it elementwise: AMP's
+    unscaling, clipping) and optimizer state of the piece's size (`state_pieces`); the parameter's own Var becomes
+    the piece."""
     bindings = program.metadata.get("state_bindings", {})
     state_pieces = program.metadata.setdefault("state_pieces", {})
     for block_idx, ops in updates.items():
@@ -146,7 +151,7 @@ def narrow_updates(program: Program, updates: dict[int, list[Op]], partial: dict
             param = op.attrs["param"]
             lo, hi = partial[param]
             whole = tuple(program.var(param).shape)
-            program.var(param + GRAD).shape = (hi - lo,)
+            narrow_gradient(program, gradients[param], hi - lo)
             for name in op.inputs:
                 state = program.find_var(name)
                 if state is not None and state.kind is VarKind.OPTIMIZER_STATE and \

@@ -89,7 +89,7 @@ def piece_updates(program: Program, updates: dict[int, list[Op]], pieces: dict[s
                         [flat.name], dict(attrs)),
                      Op(program.unique_name(f"{param}_piece"), "aten.slice.Tensor", (Ref(flat.name), 0, lo, hi), {},
                         [piece.name], dict(attrs))]
-            _narrow_gradient(program, gradients[param], hi - lo)
+            narrow_gradient(program, gradients[param], hi - lo)
             op.args = tuple(Ref(piece.name) if isinstance(a, Ref) and a.name == param else a for a in op.args)
             for rounding in _master_roundings(block, op, param):  # use_pure_fp16: the master piece rounds into it
                 rounding.args = (Ref(piece.name), *rounding.args[1:])
@@ -125,7 +125,7 @@ def _derived_gradients(program: Program, grad: str) -> list[str]:
     return derived
 
 
-def _narrow_gradient(program: Program, grad: str, numel: int) -> None:
+def narrow_gradient(program: Program, grad: str, numel: int) -> None:
     """Give the gradient piece's Var, and every value derived from it elementwise, the piece's 1-D shape."""
     for name in _derived_gradients(program, grad):
         next(block.vars[name] for block in program.blocks if name in block.vars).shape = (numel,)

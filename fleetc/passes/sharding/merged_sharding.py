@@ -7,6 +7,10 @@ update block. Under flat stage 2 that allreduce becomes a reduce-scatter of the 
 of that shard (`<accumulator>@PIECE`), averaged by k into a new temporary (`…@AVG`). Everything in the update block
 that read an accumulator (AMP's check, clipping, the update) reads this rank's average instead; the zeroing after
 the update still resets the whole accumulator. Averaging of accumulators this rank has no piece of is dropped.
+Stage 3 lays its buckets out by parameter (flat_params.py), so there the update block's allreduces are first
+regrouped into those buckets (`regroup_merged`): each reduce-scatter then leaves this rank the merged gradient of
+exactly the pieces of the parameters it holds. The accumulators themselves stay whole on every rank (each is the sum
+of this rank's own local gradients, which only the reduce-scatter combines), counted on top of the stage's formula.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from fleetc.passes.base import PassReport
 from fleetc.passes.data_parallel.common import ALLOC, common_module, var_numel
 from fleetc.passes.data_parallel.merged import (
     WAIT_INTO,
+    insert_update_block_allreduces,
     merged_values,
     update_block,
     update_block_allreduces,
@@ -39,6 +44,15 @@ def merged_buckets(program: Program) -> list[list[str]]:
     return [[param_of[ref.name] for ref in op.args[1]] for op in update_block_allreduces(program)]
 
 
+def regroup_merged(program: Program, buckets: list[FlatBucket]) -> None:
+    """Allreduce the accumulators in the update block by `buckets` (stage 3's parameter buckets: the accumulators of
+    each bucket's parameters, in bucket order), replacing gradient merge's own buckets."""
+    value_of = {value.partition("@GRAD")[0]: value for value in merged_values(program)}
+    groups = [[value_of[p] for p in bucket.names if p in value_of] for bucket in buckets]
+    algorithm = update_block_allreduces(program)[0].args[4]
+    insert_update_block_allreduces(program, [group for group in groups if group], 1, algorithm, "sharding")
+
+
 def scatter_merged(program: Program, buckets: list[FlatBucket], rank: int, degree: int, group: str, dp_group: str,
                    report: PassReport) -> dict[str, str]:
     """Replace each update-block allreduce of accumulators by a reduce-scatter over `group` (then summed over
@@ -46,14 +60,16 @@ def scatter_merged(program: Program, buckets: list[FlatBucket], rank: int, degre
     of the merged gradient (whole-shaped where the piece is the whole parameter; piece_updates narrows the rest)."""
     block = update_block(program)
     accumulators = merged_accumulators(program)
-    by_names = {bucket.names: bucket for bucket in buckets}
+    bucket_of = {name: bucket for bucket in buckets for name in bucket.names}
     param_of = {acc: param for param, acc in accumulators.items()}
     renamed: dict[str, str] = {}
     replaced: dict[str, list[Op]] = {}
     dropped: set[str] = set()
     for start in update_block_allreduces(program):
         accs = [ref.name for ref in start.args[1]]
-        bucket = by_names[tuple(param_of[a] for a in accs)]
+        params = [param_of[a] for a in accs]
+        bucket = bucket_of[params[0]]  # holds them all, in this order (maybe more: parameters without accumulator)
+        start_of = dict(zip(bucket.names, bucket.starts))
         label = start.args[5]
         wait = next(op for op in block.ops if op.type == WAIT_INTO and op.args[1].name == start.outputs[0])
         first = program.var(accs[0])
@@ -62,12 +78,13 @@ def scatter_merged(program: Program, buckets: list[FlatBucket], rank: int, degre
         attrs = {"op_role": int(OpRole.COLLECTIVE), "provenance": "sharding",
                  "module_path": common_module(program, accs)}
         ops = [Op(program.unique_name(f"{label}_reduce_scatter"), RS_START,
-                  ([Ref(a) for a in accs], bucket.starts, bucket.segment, group, dp_group, label), {}, [work.name],
+                  ([Ref(a) for a in accs], [start_of[p] for p in params], bucket.segment, group, dp_group, label), {},
+                  [work.name],
                   dict(attrs)),
                Op(program.unique_name(f"{label}_reduce_scatter_wait"), RS_WAIT, (Ref(work.name),), {}, [shard.name],
                   dict(attrs))]
         mine, shapes = [], []
-        for param, lo, hi in bucket.pieces(rank):
+        for param, lo, hi in [piece for piece in bucket.pieces(rank) if piece[0] in params]:
             acc = accumulators[param]
             whole = (lo, hi) == (0, var_numel(program.var(acc)))
             piece = program.global_block.add_var(Var(program.unique_name(f"{acc}@PIECE"),
@@ -101,8 +118,9 @@ def scatter_merged(program: Program, buckets: list[FlatBucket], rank: int, degre
     for name in dropped:
         block.vars.pop(name, None)
         program.global_block.vars.pop(name, None)
-    report.notes.append("stage 2 under gradient merge: each bucket of whole accumulators is reduce-scattered once per "
-                        "k steps, flat; this rank averages, checks, clips and updates its pieces")
+    report.notes.append("gradient merge: each bucket of whole accumulators is reduce-scattered once per k steps, "
+                        "flat; this rank averages, checks, clips and updates its pieces (the accumulators stay "
+                        "whole: on top of the formula)")
     return {param_of[acc]: piece for acc, piece in renamed.items()}
 
 

@@ -59,7 +59,7 @@ from fleetc.passes.sharding.flat_sharding import (
     rank_pieces,
     update_gradients,
 )
-from fleetc.passes.sharding.merged_sharding import scatter_merged
+from fleetc.passes.sharding.merged_sharding import regroup_merged, scatter_merged
 from fleetc.passes.sharding.param_sharding import (
     parameter_owners,
     shard_parameters,
@@ -158,10 +158,8 @@ class Sharding:
                 self._shard_updates(program, program.blocks[block_idx], foreign, set(params),
                                     lambda _: flat_gathers(program, flat, report), report)
             piece_updates(program, updates, pieces, gradients, report)
-            if merged_values(program):  # AMP and clipping in the update block read pieces of the merged gradients
-                self._check_finite_over_ranks(program, update_block(program), {gradients[p] for p in foreign},
-                                              dp_group, report)
-                clip_kept_gradients(program, GROUP, report, frozenset(gradients[p] for p in foreign))
+            if merged_values(program):
+                self._merged_over_ranks(program, gradients, foreign, dp_group, report)
             else:
                 layouts = {bucket.names: (bucket.starts, bucket.segment, bucket.padding(degree),
                                           [name for name, _, _ in bucket.pieces(rank)]) for bucket in flat}
@@ -220,10 +218,18 @@ class Sharding:
         if updates:
             for block_idx in updates:
                 self._shard_updates(program, program.blocks[block_idx], dropped & updated, updated, None, report)
-            layouts = regroup_gradients(program, buckets, updated, report)
-            narrow_updates(program, updates, partial, report)
-            self._reduce_scatter(program, lambda names: flat_layout(layouts[tuple(names)], names, rank, degree),
-                                 dropped, meta, report)
+            gradients = update_gradients(program, list(updated))
+            if merged_values(program):  # the update block reduce-scatters the accumulators by parameter bucket
+                regroup_merged(program, buckets)
+                dp_group = DP_GROUP if meta.get("dp_degree", 1) > 1 else ""
+                gradients.update(scatter_merged(program, buckets, rank, degree, GROUP, dp_group, report))
+                narrow_updates(program, updates, partial, gradients, report)
+                self._merged_over_ranks(program, gradients, dropped & updated, dp_group, report)
+            else:
+                layouts = regroup_gradients(program, buckets, updated, report)
+                narrow_updates(program, updates, partial, gradients, report)
+                self._reduce_scatter(program, lambda names: flat_layout(layouts[tuple(names)], names, rank, degree),
+                                     dropped, meta, report)
         shard_parameters(program, set(params), flat_parameter_plan(buckets, rank, degree), dropped, report)
         for name, (lo, hi) in partial.items():  # this rank's Var of a parameter it holds part of: the flat piece
             program.var(name).shape = (hi - lo,)
@@ -237,6 +243,14 @@ class Sharding:
         report.stats["owned_params"] = len(meta["owned"])
         report.changed = True
         return program, report
+
+    def _merged_over_ranks(self, program: Program, gradients: dict[str, str], foreign: set[str], dp_group: str,
+                           report: PassReport) -> None:
+        """Gradient merge on flat buckets: AMP's check and clipping in the update block read this rank's pieces of
+        the merged gradients (not those of `foreign` parameters), found_inf and the squared norm summed over ranks."""
+        self._check_finite_over_ranks(program, update_block(program), {gradients[p] for p in foreign}, dp_group,
+                                      report)
+        clip_kept_gradients(program, GROUP, report, frozenset(gradients[p] for p in foreign))
 
     @staticmethod
     def _shard_whole_parameters(program: Program, owners: dict[str, int], degree: int, rank: int, config: Any,
