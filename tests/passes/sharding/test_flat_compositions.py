@@ -1,5 +1,5 @@
-"""Flat-bucket stage 2 composed with AMP, global-norm clipping and gradient merge, as the Program of one rank of two
-(no processes; tests/fleet/test_sharding.py trains these against unsharded data parallel on 2 gloo ranks)."""
+"""Flat-bucket stages 2 and 3 composed with AMP, global-norm clipping and gradient merge, as the Program of one rank of
+two (no processes; tests/fleet/test_sharding.py trains these against unsharded data parallel on 2 gloo ranks)."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +9,7 @@ import fleetc
 from fleetc.comm.mesh import ProcessMesh
 from fleetc.fleet.trainer import sharding_metadata
 from fleetc.ir.program import VarKind
-from fleetc.passes.data_parallel.common import START
+from fleetc.passes.data_parallel.common import START, var_numel
 from fleetc.passes.data_parallel.merged import update_block
 from fleetc.passes.sharding.clip_sharding import NORM_SUM
 from fleetc.passes.sharding.estimate import rank_plans
@@ -24,10 +24,10 @@ def mlp():
     return captured_program("mlp")
 
 
-def rank_0(program, grad_clip=None, **fields):
+def rank_0(program, grad_clip=None, sharding=STAGE_2, **fields):
     stamped = program.clone()
     stamped.metadata["sharding"] = sharding_metadata(ProcessMesh(sharding=2), 0)
-    final, history = run_data_parallel_passes(stamped, 2, grad_clip=grad_clip, **STAGE_2, **fields)
+    final, history = run_data_parallel_passes(stamped, 2, grad_clip=grad_clip, **sharding, **fields)
     return final, history["sharding"].report
 
 
@@ -93,3 +93,64 @@ def test_stage_3_with_pure_low_precision_is_refused_by_name(mlp):
     with pytest.raises(fleetc.StrategyError, match="stage 3 with amp_configs.use_pure_fp16"):
         run_data_parallel_passes(stamped, 2, sharding=True, sharding_configs={"stage": 3, "sharding_degree": 2},
                                  **PURE_BF16)
+
+
+def stage_3(segment_mb: float = 32.0) -> dict:
+    return {"sharding": True, "sharding_configs": {"stage": 3, "sharding_degree": 2, "segment_broadcast_MB": segment_mb}}
+
+
+@pytest.mark.parametrize("clip, fields", [
+    (None, {"amp": True}),
+    (fleetc.ClipGradByGlobalNorm(0.05), {"amp": True}),
+    (fleetc.ClipGradByGlobalNorm(0.05), MERGE),
+], ids=["amp", "amp_clipped", "merged_clipped"])
+def test_stage_3_holds_pieces_under_amp_clipping_and_gradient_merge(mlp, clip, fields):
+    """Stage 3's one bucket (declaration order) ends rank 0's range inside fc2.weight: this rank's Var of it, its
+    gradient piece (AMP's unscaled, the clipped, gradient merge's average) and its momentum are that piece's size."""
+    final, report = rank_0(mlp, grad_clip=clip, sharding=stage_3(), **fields)
+    meta = final.metadata["sharding"]
+    assert meta["param_layout"] == "flat" and report.stats["params_split"] >= 1
+    lo, hi = meta["param_pieces"]["fc2.weight"]
+    assert 0 < hi - lo < 4096 and tuple(final.var("fc2.weight").shape) == (hi - lo,)
+    assert final.metadata["state_pieces"]["fc2.weight@momentum_buffer"] == [lo, hi]
+    update = next(op for _, op in final.walk_ops() if op.attrs.get("param") == "fc2.weight")
+    assert tuple(final.find_var(update.args[1].name, 1).shape) == (hi - lo,)
+    if clip is not None:
+        assert update.args[1].name.endswith("@CLIP") and report.stats["clip_norm_allreduces"] == 1
+    types = [op.type for _, op in final.walk_ops()]
+    assert types.count(FOUND_INF_MAX) == int(fields.get("amp", False))
+
+
+def test_stage_3_gradient_merge_reduce_scatters_the_accumulators_by_parameter_bucket(mlp):
+    """Small buckets: gradient merge's one bucket of accumulators becomes one reduce-scatter per parameter bucket
+    (its layout, so each leaves this rank the merged gradient of exactly the pieces it holds), once per k steps."""
+    final, report = rank_0(mlp, sharding=stage_3(0.01), **MERGE)
+    buckets = final.metadata["sharding"]["param_buckets"]
+    block = update_block(final)
+    scatters = [op for op in block.ops if op.type == RS_START]
+    assert len(buckets) > 1 and [[ref.name.removesuffix("@GRAD@MERGE") for ref in op.args[0]] for op in scatters] \
+        == buckets
+    assert not [op for op in final.global_block.ops if op.type in (RS_START, START)]
+    accumulators = set(final.metadata["gradient_merge"]["accumulators"].values())  # whole, zeroed after the update
+    assert accumulators <= {op.args[0].name for op in block.ops if op.type == "fleetc.zero"}
+    assert all(final.var(a).shape == mlp.var(a.removesuffix("@GRAD@MERGE")).shape for a in accumulators)
+    for param, (lo, hi) in final.metadata["sharding"]["param_pieces"].items():
+        update = next(op for op in block.ops if op.attrs.get("param") == param)
+        assert var_numel(final.var(update.args[1].name)) == hi - lo == var_numel(final.var(param))
+    assert any("accumulators stay whole" in note for note in report.notes)
+    unsharded, _ = run_data_parallel_passes(mlp, 2, **MERGE)
+    plan = rank_plans(unsharded, 2, 3, segment_mb=0.01)[0]  # the pre-launch estimate plans the same pieces
+    assert plan.owned_params == len(final.metadata["sharding"]["owned"])
+    assert plan.optimizer_state_bytes == sum(v.nbytes() for v in final.persistables()
+                                             if v.kind is VarKind.OPTIMIZER_STATE)
+    assert plan.gradient_bytes == sum(final.var(op.outputs[0]).nbytes() for op in block.ops if op.type == RS_WAIT)
+
+
+@pytest.mark.parametrize("clip, fields, reason", [
+    (fleetc.ClipGradByNorm(0.05), {}, "fleetc.clip_by_norm reads whole gradients"),
+    (None, {"amp": True, **MERGE}, "AMP under gradient merge unscales the whole accumulators"),
+])
+def test_stage_3_keeps_whole_parameters_where_whole_gradients_are_needed(mlp, clip, fields, reason):
+    final, report = rank_0(mlp, grad_clip=clip, sharding=stage_3(), **fields)
+    assert final.metadata["sharding"]["param_layout"] == "whole" and "params_split" not in report.stats
+    assert any(note.startswith("stage 3 owns whole parameters here") and reason in note for note in report.notes)
