@@ -195,18 +195,21 @@ def stage_2_beside_plain_data_parallel(strategy: dict, zoo: str = "mlp", steps: 
             for extra in ({}, sharded(stage, sharding_configs={"stage": stage, **sharding_configs}))]
 
 
+MERGED = {"gradient_merge": True, "gradient_merge_configs": {"k_steps": 2}}
 # use_pure_fp16: bfloat16 parameters, float32 master weights in the (sharded) optimizer state
 PURE_BF16 = {"amp": True, "amp_configs": {"use_pure_fp16": True, "use_fp16_guard": False, "dtype": "bfloat16"}}
 
 # Stage 2 must train exactly as unsharded data parallel does under each composed strategy (which itself matches
 # eager training in test_data_parallel.py): AMP (each rank checks its pieces of the flat buckets, found_inf
-# max-allreduced), gradient merge (whole accumulators reduce-scattered flat once per k steps), recompute.
+# max-allreduced), gradient merge (whole accumulators reduce-scattered flat once per k steps), recompute, and AMP
+# under gradient merge (each rank checks its pieces of the merged gradients).
 COMPOSED = [
     *stage_2_beside_plain_data_parallel({"amp": True}),
     *stage_2_beside_plain_data_parallel({"gradient_merge": True, "gradient_merge_configs": {"k_steps": 2}}, steps=4),
     *stage_2_beside_plain_data_parallel({"recompute": True, "recompute_configs": {"checkpoints": ["layers.0"]}},
                                         zoo="gpt"),
     *stage_2_beside_plain_data_parallel(PURE_BF16),
+    *stage_2_beside_plain_data_parallel({"amp": True, **MERGED}, steps=4),
 ]
 
 
@@ -218,6 +221,7 @@ COMPOSED_3 = [
                                         stage=3, segment_broadcast_MB=0.01),
     *stage_2_beside_plain_data_parallel({"recompute": True, "recompute_configs": {"checkpoints": ["layers.0"]}},
                                         zoo="gpt", stage=3),
+    *stage_2_beside_plain_data_parallel({"amp": True, **MERGED}, steps=4, stage=3),
 ]
 
 
@@ -233,14 +237,16 @@ def test_stages_2_and_3_compose_with_amp_gradient_merge_and_recompute(tmp_path, 
             for name, value in plain["state"].items():
                 assert torch.equal(sharded_run["state"][name], value), (config["strategy"], name)
             assert any(not torch.equal(plain["initial"][k], v) for k, v in plain["state"].items())
-        amp, merged = runs[1], runs[3]
+        amp, merged, amp_merged = runs[1], runs[3], runs[-1]
         assert amp["report"]["sharding"]["found_inf_allreduces"] == 1
+        # AMP under gradient merge: each rank checks its pieces of the merged gradients, found_inf max-allreduced
+        assert amp_merged["report"]["sharding"]["found_inf_allreduces"] == 1
         # stages 2 and 3 under AMP and gradient merge on flat buckets: fc2.weight is cut in two
-        assert amp["report"]["sharding"]["params_split"] >= 1
-        assert merged["report"]["sharding"]["params_split"] >= 1
+        for run in (amp, merged, amp_merged):
+            assert run["report"]["sharding"]["params_split"] >= 1
         # once per k steps, in the update block: stage 2 by gradient bucket, stage 3 by parameter bucket
         assert merged["report"]["sharding"]["reduce_scatter_buckets"] == (1 if composed is COMPOSED else 3)
-        for run in (amp, merged):  # parameter + gradient + state bytes beside the formula's fp32 row
+        for run in (amp, merged, amp_merged):  # parameter + gradient + state bytes beside the formula's fp32 row
             memory = run["memory"]
             assert abs(memory["total_bytes"] - memory["formula_bytes"]) <= 0.1 * memory["formula_bytes"], memory
         # the accumulators stay whole on every rank (each sums its own local gradients), on top of the formula
@@ -271,10 +277,10 @@ def clipped(strategy: dict, clip: list | None = ("global_norm", 0.05)) -> dict:
     return {"optimizer": "adam", "steps": 3, "grad_clip": list(clip) if clip else None, "strategy": strategy}
 
 
-MERGED = {"gradient_merge": True, "gradient_merge_configs": {"k_steps": 2}}
 CLIPPED = [clipped({}), clipped(sharded(2)), clipped(sharded(3)), clipped({"amp": True}),
            clipped({**sharded(2), "amp": True}), clipped({}, clip=None), clipped(MERGED),
-           clipped({**sharded(2), **MERGED}), clipped({**sharded(3), "amp": True}), clipped({**sharded(3), **MERGED})]
+           clipped({**sharded(2), **MERGED}), clipped({**sharded(3), "amp": True}), clipped({**sharded(3), **MERGED}),
+           clipped({"amp": True, **MERGED}), clipped({**sharded(3), "amp": True, **MERGED})]
 
 
 @pytest.mark.slow
@@ -283,10 +289,10 @@ def test_global_norm_clipping_under_stages_2_and_3_equals_data_parallel(tmp_path
                     module="fleet.optimizer_workers")
     assert_all_ok(results)
     for result in results:
-        plain, stage_2, stage_3, amp, stage_2_amp, unclipped, merged, stage_2_merged, stage_3_amp, stage_3_merged = \
-            result.result
+        (plain, stage_2, stage_3, amp, stage_2_amp, unclipped, merged, stage_2_merged, stage_3_amp, stage_3_merged,
+         amp_merged, stage_3_amp_merged) = result.result
         for reference, run in ((plain, stage_2), (plain, stage_3), (amp, stage_2_amp), (merged, stage_2_merged),
-                               (amp, stage_3_amp), (merged, stage_3_merged)):
+                               (amp, stage_3_amp), (merged, stage_3_merged), (amp_merged, stage_3_amp_merged)):
             assert run["stats"]["sharding"]["clip_norm_allreduces"] == 1
             # flat buckets: the norm of the pieces (fc2.weight's cut in two), padding in none of them
             assert run["stats"]["sharding"]["params_split"] >= 1

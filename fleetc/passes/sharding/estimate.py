@@ -41,7 +41,7 @@ def rank_plans(program: Program, degree: int, stage: int, segment_mb: float = 32
     (`segment_mb`: `sharding_configs.segment_broadcast_MB`, stage 3's parameter buckets)."""
     params = list(dict.fromkeys(op.attrs["param"] for ops in update_ops(program).values() for op in ops))
     sizes = {p: var_numel(program.var(p)) for p in params}
-    # stage 3 under gradient merge keeps whole gradients (its accumulators are allreduced whole)
+    # stage 3 owning whole parameters under gradient merge keeps whole gradients (its accumulators are allreduced)
     buckets = [] if stage < 2 or (stage == 3 and merged_values(program)) else gradient_buckets(program)
     flat = [FlatBucket.of(b, sizes, degree) for b in buckets] \
         if stage == 2 and flat_refusal(program, update_ops(program), buckets, params) is None else None

@@ -37,8 +37,6 @@ def flat_refusal(program: Program, updates: dict[int, list[Op]], buckets: list[l
                  params: list[str]) -> str | None:
     """Why the buckets cannot be split evenly (None: they can)."""
     kinds = {op.type for _, op in program.walk_ops()}
-    if merged_values(program) and "fleetc.check_finite_and_unscale" in kinds:
-        return "AMP under gradient merge unscales the whole accumulators (flat pieces of them not yet)"
     readers = kinds.intersection(WHOLE_GRADIENT_READERS)
     if readers:
         return f"{min(readers)} reads whole gradients"
@@ -112,16 +110,22 @@ def _master_roundings(block: Block, update: Op, param: str) -> list[Op]:
 
 def _derived_gradients(program: Program, grad: str) -> list[str]:
     """`grad` and every value the optimize section derives from it elementwise (AMP's cast and unscaling, the
-    clipped gradient), in program order."""
+    clipped gradient). Repeated until nothing is added: blocks are listed by index, not in execution order (under
+    AMP × gradient merge the updates' block, nested in the merge's update block, comes before it)."""
     derived = [grad]
-    for _, op in program.walk_ops():
-        if op.type in ELEMENTWISE_LISTS:
-            pairs = zip(op.args[0], op.outputs)
-        elif op.type == "aten._to_copy.default" and isinstance(op.args[0], Ref):
-            pairs = [(op.args[0], op.outputs[0])]
-        else:
-            continue
-        derived += [out for ref, out in pairs if ref.name in derived]
+    added = True
+    while added:
+        added = False
+        for _, op in program.walk_ops():
+            if op.type in ELEMENTWISE_LISTS:
+                pairs = zip(op.args[0], op.outputs)
+            elif op.type == "aten._to_copy.default" and isinstance(op.args[0], Ref):
+                pairs = [(op.args[0], op.outputs[0])]
+            else:
+                continue
+            new = [out for ref, out in pairs if ref.name in derived and out not in derived]
+            derived += new
+            added = added or bool(new)
     return derived
 
 

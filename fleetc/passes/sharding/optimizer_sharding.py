@@ -382,7 +382,9 @@ class Sharding:
         derived = set(foreign)
         for index, op in enumerate(list(block.ops)):
             if op.type != CHECK_FINITE:
-                if derived.intersection(op.inputs):
+                # a collective reading them (gradient merge's reduce-scatter of whole accumulators) gives this rank
+                # its own pieces, not values of theirs
+                if derived.intersection(op.inputs) and OpRole.COLLECTIVE not in op.role:
                     derived.update(op.defined)
                 continue
             pairs = [(ref, out) for ref, out in zip(op.args[0], op.outputs[:-1]) if ref.name not in derived]

@@ -65,14 +65,11 @@ def test_gradient_merge_reduce_scatters_the_accumulators_once_per_k_steps(mlp):
     assert plan.gradient_bytes == sum(final.var(op.outputs[0]).nbytes() for op in block.ops if op.type == RS_WAIT)
 
 
-@pytest.mark.parametrize("clip, fields, reason", [
-    (fleetc.ClipGradByNorm(0.05), {}, "fleetc.clip_by_norm reads whole gradients"),
-    (None, {"amp": True, **MERGE}, "AMP under gradient merge unscales the whole accumulators"),
-])
-def test_what_needs_whole_gradients_keeps_whole_parameter_ownership(mlp, clip, fields, reason):
-    final, report = rank_0(mlp, grad_clip=clip, **fields)
+def test_what_needs_whole_gradients_keeps_whole_parameter_ownership(mlp):
+    final, report = rank_0(mlp, grad_clip=fleetc.ClipGradByNorm(0.05))
     assert "params_split" not in report.stats and "state_pieces" not in final.metadata
-    assert any(note.startswith("stage 2 owns whole parameters here") and reason in note for note in report.notes)
+    assert any(note.startswith("stage 2 owns whole parameters here") and "fleetc.clip_by_norm reads whole gradients"
+               in note for note in report.notes)
 
 
 PURE_BF16 = {"amp": True, "amp_configs": {"use_pure_fp16": True, "use_fp16_guard": False, "dtype": "bfloat16"}}
@@ -103,7 +100,8 @@ def stage_3(segment_mb: float = 32.0) -> dict:
     (None, {"amp": True}),
     (fleetc.ClipGradByGlobalNorm(0.05), {"amp": True}),
     (fleetc.ClipGradByGlobalNorm(0.05), MERGE),
-], ids=["amp", "amp_clipped", "merged_clipped"])
+    (fleetc.ClipGradByGlobalNorm(0.05), {"amp": True, **MERGE}),
+], ids=["amp", "amp_clipped", "merged_clipped", "amp_merged_clipped"])
 def test_stage_3_holds_pieces_under_amp_clipping_and_gradient_merge(mlp, clip, fields):
     """Stage 3's one bucket (declaration order) ends rank 0's range inside fc2.weight: this rank's Var of it, its
     gradient piece (AMP's unscaled, the clipped, gradient merge's average) and its momentum are that piece's size."""
@@ -146,11 +144,25 @@ def test_stage_3_gradient_merge_reduce_scatters_the_accumulators_by_parameter_bu
     assert plan.gradient_bytes == sum(final.var(op.outputs[0]).nbytes() for op in block.ops if op.type == RS_WAIT)
 
 
-@pytest.mark.parametrize("clip, fields, reason", [
-    (fleetc.ClipGradByNorm(0.05), {}, "fleetc.clip_by_norm reads whole gradients"),
-    (None, {"amp": True, **MERGE}, "AMP under gradient merge unscales the whole accumulators"),
-])
-def test_stage_3_keeps_whole_parameters_where_whole_gradients_are_needed(mlp, clip, fields, reason):
-    final, report = rank_0(mlp, grad_clip=clip, sharding=stage_3(), **fields)
+def test_stage_3_keeps_whole_parameters_where_whole_gradients_are_needed(mlp):
+    final, report = rank_0(mlp, grad_clip=fleetc.ClipGradByNorm(0.05), sharding=stage_3())
     assert final.metadata["sharding"]["param_layout"] == "whole" and "params_split" not in report.stats
-    assert any(note.startswith("stage 3 owns whole parameters here") and reason in note for note in report.notes)
+    assert any(note.startswith("stage 3 owns whole parameters here") and "fleetc.clip_by_norm reads whole gradients"
+               in note for note in report.notes)
+
+
+@pytest.mark.parametrize("sharding", [STAGE_2, stage_3()], ids=["stage_2", "stage_3"])
+def test_amp_under_gradient_merge_checks_this_ranks_pieces_of_the_merged_gradients(mlp, sharding):
+    """The merge's update block reduce-scatters the whole accumulators; AMP's check reads only this rank's averaged
+    pieces of them (not another rank's, though the reduce-scatter read every accumulator) and found_inf is
+    max-allreduced before the loss scaling and the nested updates read it."""
+    final, report = rank_0(mlp, grad_clip=fleetc.ClipGradByGlobalNorm(0.05), sharding=sharding, amp=True, **MERGE)
+    assert report.stats["params_split"] >= 1 and report.stats["found_inf_allreduces"] == 1
+    block = update_block(final)
+    check = next(op for op in block.ops if op.type == "fleetc.check_finite_and_unscale")
+    views = {name for op in block.ops if op.type == "fleetc.shard_views" for name in op.outputs}
+    averaged = {op.outputs[0] for op in block.ops if op.type == "aten.div.Tensor" and op.args[0].name in views}
+    assert {ref.name for ref in check.args[0]} == averaged and len(averaged) == len(final.metadata["sharding"]["owned"])
+    found_inf = next(op.outputs[0] for op in block.ops if op.type == FOUND_INF_MAX)
+    assert all(check.outputs[-1] not in op.inputs for op in block.ops[block.ops.index(check) + 2:])
+    assert any(found_inf in op.inputs for op in block.ops if op.type == "fleetc.update_loss_scaling")
