@@ -57,7 +57,7 @@ def scatter_merged(program: Program, buckets: list[FlatBucket], rank: int, degre
                    report: PassReport) -> dict[str, str]:
     """Replace each update-block allreduce of accumulators by a reduce-scatter over `group` (then summed over
     `dp_group`); later readers in the update block read this rank's pieces. Returns parameter → the Var of its piece
-    of the merged gradient (whole-shaped where the piece is the whole parameter; piece_updates narrows the rest)."""
+    of the merged gradient (whole-shaped where the piece is the whole parameter, else 1-D)."""
     block = update_block(program)
     accumulators = merged_accumulators(program)
     bucket_of = {name: bucket for bucket in buckets for name in bucket.names}
