@@ -171,7 +171,7 @@ class CompiledTrainer:
         capture_report = PassReport("capture", changed=True, stats={"ops": program.num_ops()})
         history = History([PassRecord("capture", program, capture_report, capture_seconds, estimate_memory(program))])
         passes = ordered_passes(self.config, recompute_policy=self.recompute_policy, grad_clip=self.grad_clip)
-        manager = PassManager(passes, self._instruments(), self.disable_passes)
+        manager = PassManager(passes, self._instruments(), self.disable_passes, fingerprint_arguments=self.verify)
         final = manager.run(program, self.config, history)
         report = CompileReport(decisions=list(self.decisions), ops_before=program.num_ops(), ops_after=final.num_ops())
         for record in history[1:]:
