@@ -29,7 +29,6 @@ import argparse
 import contextlib
 import copy
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,7 @@ from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
+from cpu_steps import add_step_options, baseline_runners, interleaved_ms, setup_line
 from torch import nn
 from zoo import OPTIMIZERS, ZOO, ZooEntry
 
@@ -128,32 +128,15 @@ def fusion_strategy(fused: bool, amp: bool) -> fleetc.DistributedStrategy:
     return strategy
 
 
-def eager_step(model, optimizer, loss_fn, amp: bool, args, kwargs) -> torch.Tensor:
-    optimizer.zero_grad(set_to_none=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-        loss = loss_fn(model(*args[:-1], **kwargs), args[-1]) if loss_fn else model(*args, **kwargs)["loss"]
-    loss.backward()
-    optimizer.step()
-    return loss.detach()
-
-
 def runners(entry: ZooEntry, optimizer: str, amp: bool, with_torch_compile: bool,
             cpu_mode: str = "background") -> tuple[dict[str, Callable], dict, dict]:
     """A step function per variant, the fleetc trainers, and per variant what holds its state across steps
     (model, optimizer, fleetc's counters), for the peak-memory column."""
     torch.manual_seed(0)
     base = entry.make_model()
-    made: dict[str, Callable] = {}
+    made, eager_holder = baseline_runners(base, entry, optimizer, amp, with_torch_compile)
     trainers = {}
-    model = copy.deepcopy(base)
-    opt = OPTIMIZERS[optimizer](model.parameters())
-    made["eager"] = lambda *a, **k: eager_step(model, opt, entry.loss_fn, amp, a, k)
-    holders = {"eager": (model, opt, {})}
-    if with_torch_compile:
-        t_model = copy.deepcopy(base)
-        t_opt = OPTIMIZERS[optimizer](t_model.parameters())
-        compiled = torch.compile(t_model)
-        made["torch.compile"] = lambda *a, **k: eager_step(compiled, t_opt, entry.loss_fn, amp, a, k)
+    holders = {"eager": eager_holder}
     for name, fused in (("fleetc", False), ("fleetc+cpu", True)):
         f_model = copy.deepcopy(base)
         trainer = fleetc.compile(f_model, fusion_strategy(fused, amp),
@@ -223,19 +206,12 @@ def bench(entry: ZooEntry, optimizer: str, amp: bool, steps: int, warmup: int, w
         for args, kwargs in batches[1:warmup]:
             for run in made.values():
                 run(*args, **kwargs)
-        times: dict[str, list[float]] = {name: [] for name in made}
-        names = list(made)
-        for i, (args, kwargs) in enumerate(batches[warmup:]):
-            for name in names[i % len(names):] + names[:i % len(names)]:
-                start = time.perf_counter()
-                made[name](*args, **kwargs)
-                times[name].append(time.perf_counter() - start)
+        ms = interleaved_ms(made, batches[warmup:], stat)
         args, kwargs = batches[-1]
         peak = {name: peak_bytes(made[name], args, kwargs, holders[name]) for name in holders}
     usage = trainers["fleetc+cpu"].report().kernels
     ran = [usage.implementation(n) for n in usage.ops]
-    pick = statistics.median if stat == "median" else min
-    return {"ms": {k: 1e3 * pick(v) for k, v in times.items()}, "first_s": first["fleetc+cpu"], "ready_s": ready_s,
+    return {"ms": ms, "first_s": first["fleetc+cpu"], "ready_s": ready_s,
             "sync_s": sync_first_step_s(entry, optimizer, amp, batches[0]), "peak": peak,
             "kernels": f"{ran.count('kernel')}/{len(ran)}", "usage": usage}
 
@@ -253,18 +229,11 @@ def onednn_isa() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="mlp,cnn,gpt,bert,resnet")
-    parser.add_argument("--precision", default="fp32,bf16")
-    parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS))
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--no-torch-compile", action="store_true")
-    parser.add_argument("--stat", default="median", choices=["median", "min"])
+    add_step_options(parser, models="mlp,cnn,gpt,bert,resnet", steps=20, warmup=3)
     parser.add_argument("--onednn-isa", action="store_true")
     parser.add_argument("--choices", action="store_true", help="list the ops whose kernel measured slower")
     opts = parser.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, optimizer {opts.optimizer}, "
-          f"{opts.stat} of {opts.steps} interleaved steps after {opts.warmup} warmup")
+    print(setup_line(opts))
     if opts.onednn_isa:
         print("oneDNN on a bf16 addmm/mm:\n" + onednn_isa())
     with_tc = not opts.no_torch_compile

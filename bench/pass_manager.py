@@ -10,6 +10,9 @@ Run it against another checkout to compare (the script only uses the manager's p
 
     OMP_NUM_THREADS=1 PYTHONPATH=.:tests python bench/pass_manager.py [--depths 8,32] [--strategy all_passes]
     OMP_NUM_THREADS=1 PYTHONPATH=/path/to/other/checkout:tests python bench/pass_manager.py
+
+`--fingerprint-arguments` runs the manager as a compile with `verify=True` does: the fingerprint it takes after
+every pass (to check replays against) covers op arguments and attributes too.
 """
 from __future__ import annotations
 
@@ -57,12 +60,13 @@ class _Clones:
         Program.clone = self.original
 
 
-def _run(captured: Program, config) -> dict[str, float]:
+def _run(captured: Program, config, fingerprint_arguments: bool = False) -> dict[str, float]:
     program = captured.clone()
     history = History([PassRecord("capture", program, PassReport("capture"), 0.0, estimate_memory(program))])
     with _Clones() as clones:
         start = time.perf_counter()
-        PassManager(ordered_passes(config)).run(program, config, history)
+        manager = PassManager(ordered_passes(config), fingerprint_arguments=fingerprint_arguments)
+        manager.run(program, config, history)
         wall = time.perf_counter() - start
     passes = sum(record.seconds for record in history[1:])
     start = time.perf_counter()
@@ -78,13 +82,14 @@ def main() -> None:
     parser.add_argument("--depths", default="8,32")
     parser.add_argument("--strategy", default="all_passes", choices=sorted(STRATEGIES))
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--fingerprint-arguments", action="store_true")
     args = parser.parse_args()
     config = resolve_conflicts(resolve_strategy(STRATEGIES[args.strategy]()))[0]
     print("depth | ops | passes | passes s | run wall s | copies | copies s | wall - passes s | rebuild history s")
     for depth in (int(d) for d in args.depths.split(",")):
         model, optimizer, batch = encoder_and_batch(depth)
         captured = capture_train_program(model, None, optimizer, batch, {})
-        runs = [_run(captured, config) for _ in range(args.repeats)]
+        runs = [_run(captured, config, args.fingerprint_arguments) for _ in range(args.repeats)]
         best = min(runs, key=lambda r: r["wall"])
         print(f"{depth} | {captured.num_ops()} | {best['records']} | {best['passes']:.2f} | {best['wall']:.2f} | "
               f"{best['clones']} | {best['clone_s']:.2f} | {best['overhead']:.2f} | {best['inspect']:.2f}", flush=True)

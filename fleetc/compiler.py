@@ -50,7 +50,7 @@ from fleetc.runtime.checkpoint import (
     rng_state,
     save_checkpoint,
 )
-from fleetc.compile_cache import CompileCache
+from fleetc.compile_cache import CompileCache, CompileCacheError
 from fleetc.runtime.execution import ExecutionPlan
 from fleetc.runtime.dynamic_policy import DynamicPolicy
 from fleetc.runtime.executor import Executable
@@ -171,7 +171,7 @@ class CompiledTrainer:
         capture_report = PassReport("capture", changed=True, stats={"ops": program.num_ops()})
         history = History([PassRecord("capture", program, capture_report, capture_seconds, estimate_memory(program))])
         passes = ordered_passes(self.config, recompute_policy=self.recompute_policy, grad_clip=self.grad_clip)
-        manager = PassManager(passes, self._instruments(), self.disable_passes)
+        manager = PassManager(passes, self._instruments(), self.disable_passes, fingerprint_arguments=self.verify)
         final = manager.run(program, self.config, history)
         report = CompileReport(decisions=list(self.decisions), ops_before=program.num_ops(), ops_after=final.num_ops())
         for record in history[1:]:
@@ -227,7 +227,12 @@ class CompiledTrainer:
         found = self.compile_cache.load_capture(key, kind, self.model, optimizer, args, kwargs)
         if found is not None:
             return found
+        return self._capture_and_store(key, kind, args, kwargs, dynamic)
+
+    def _capture_and_store(self, key: str | None, kind: str, args: tuple, kwargs: dict,
+                           dynamic: DynamicDims) -> tuple[Program, Any]:
         program, out_spec = self._capture(kind, args, kwargs, dynamic)
+        optimizer = self.optimizer if kind == "train" else None
         self.compile_cache.store_capture(key, kind, self.model, optimizer, args, kwargs, program, out_spec)
         return program, out_spec
 
@@ -236,7 +241,14 @@ class CompiledTrainer:
         progress_stage("capture")
         self.compile_cache.begin()
         program, out_spec = self._cached_capture(kind, args, kwargs, dynamic)
-        final, history, report = self._optimize(program, time.perf_counter() - start)
+        try:
+            final, history, report = self._optimize(program, time.perf_counter() - start)
+        except CompileCacheError as exc:  # a capture hit whose ops do not decode (compile_cache/deferred.py)
+            key = self.compile_cache.capture_again(program, exc)
+            if key is None:
+                raise
+            program, out_spec = self._capture_and_store(key, kind, args, kwargs, dynamic)
+            final, history, report = self._optimize(program, time.perf_counter() - start)
         progress_stage("codegen")
         executable = Executable(final, measure_memory=self.measure_memory, cpu_kernels=self.cpu_kernels,
                                 num_threads=self.execution.threads)

@@ -140,11 +140,13 @@ class CompileCache:
         self.store = store if store is not None or self.mode == "off" else EntryStore()
         self.lines: list[str] = []
         self._text: tuple[Program, str] | None = None  # the latest captured Program and its JSON text
+        self._hit: tuple[str, Program] | None = None  # this compile's capture hit: (key, its DeferredProgram)
 
     def begin(self) -> None:
         """A new compile: forget what the previous one found."""
         self.lines = []
         self._text = None
+        self._hit = None
 
     # ----- pass results ----------------------------------------------------------------------
     def passes_key(self, program: Program, config: Any, disable_passes: Iterable[str], recompute_policy: Any,
@@ -172,7 +174,7 @@ class CompileCache:
                 if set(_REPORT_FIELDS) - set(cached.report):
                     raise KeyError(f"report fields {sorted(set(_REPORT_FIELDS) - set(cached.report))}")
             except (KeyError, TypeError, ValueError) as exc:
-                self._warn(f"entry passes-{key}.json does not decode ({type(exc).__name__}: {exc})")
+                self._ignore("passes", key, f"does not decode ({type(exc).__name__}: {exc})")
                 cached = None
         self.lines.append(f"passes: {'hit, passes skipped' if cached else 'miss'} (key {_short(key)})")
         return cached
@@ -223,13 +225,27 @@ class CompileCache:
                 record = GuardRecord.from_data(payload["guards"])
                 out_spec = None if payload["out_spec"] is None else treespec_loads(payload["out_spec"])
             except (KeyError, TypeError, ValueError) as exc:
-                self._warn(f"entry capture-{key}.json does not decode ({type(exc).__name__}: {exc})")
+                self._ignore("capture", key, f"does not decode ({type(exc).__name__}: {exc})")
             else:
                 why = self._guard_mismatch(record, kind, model, optimizer, args, kwargs, program)
                 found = None if why else (program, out_spec)
+                self._hit = None if why else (key, program)
         outcome = "hit, capture skipped" if found else f"miss{f': {why}' if why else ''}"
         self.lines.append(f"capture: {outcome} (key {_short(key)})")
         return found
+
+    def capture_again(self, program: Program, error: CompileCacheError) -> str | None:
+        """After `error` from first using `program`: when `program` is this compile's capture hit (its entry's ops
+        did not decode, or disagree with its stated op count or metadata), warn naming the entry file and forget the
+        hit, and return its key: the compile captures again and stores a good entry there. None for any other
+        Program (the error is not this compile's to answer)."""
+        if self._hit is None or self._hit[1] is not program:
+            return None
+        key = self._hit[0]
+        self._ignore("capture", key, error.reason)
+        self.lines = [f"capture: miss: the entry's Program is damaged, captured again (key {_short(key)})"]
+        self._text = self._hit = None
+        return key
 
     @staticmethod
     def _guard_mismatch(record: GuardRecord, kind: str, model: nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -263,5 +279,7 @@ class CompileCache:
             self._text = (program, program_to_json(program))
         return self._text[1]
 
-    def _warn(self, message: str) -> None:
-        warnings.warn(f"fleetc compile cache: ignoring {message}", CompileCacheWarning, stacklevel=3)
+    def _ignore(self, kind: str, key: str, reason: str) -> None:
+        """Warn that the entry of (kind, key) is ignored because it `reason` ("does not decode (...)")."""
+        warnings.warn(f"fleetc compile cache: ignoring entry {self.store.path(kind, key)}, which {reason}",
+                      CompileCacheWarning, stacklevel=3)

@@ -7,7 +7,9 @@ of a 32-layer capture cost about 0.1 s, a fifth of a warm start, for nothing. So
 up to its metadata (fleetc's writer puts the blocks last), through the same restricted decoder as a whole Program,
 and the rest is decoded by `program_from_json` when something reads the blocks, feeds or fetches (a passes miss,
 `verify=True`, printing `trainer.history[0].program`). That decode checks that the op count stored beside the text
-and the metadata the guard check used are the text's own; an entry that fails it raises CompileCacheError.
+and the metadata the guard check used are the text's own; an entry that fails it raises CompileCacheError, which
+the compile that hit it answers by capturing again (CompileCache.capture_again), so it does not reach the user
+unless the Program is first used after the compile (a full hit's `trainer.history[0].program`).
 """
 from __future__ import annotations
 
@@ -32,7 +34,12 @@ _LAST_FIELD = "blocks"  # program_to_json writes it last: every field before it 
 
 
 class CompileCacheError(FleetcError, ValueError):
-    """A compile cache entry that passed its load checks turned out not to decode when its Program was used."""
+    """A compile cache entry that passed its load checks turned out not to decode when its Program was used;
+    `reason` says what is wrong with the entry `source`."""
+
+    def __init__(self, source: str, reason: str):
+        super().__init__(f"{source} {reason}; delete it and compile again")
+        self.source, self.reason = source, reason
 
 
 def program_header(text: str) -> dict[str, Any]:
@@ -93,11 +100,10 @@ class DeferredProgram(Program):
             try:
                 full = program_from_json(self._text)
             except (KeyError, TypeError, ValueError) as exc:
-                raise CompileCacheError(f"{self._source} does not decode ({type(exc).__name__}: {exc}); delete it "
-                                        "and compile again") from exc
+                raise CompileCacheError(self._source, f"does not decode ({type(exc).__name__}: {exc})") from exc
             if full.num_ops() != self._ops or full.metadata != self.metadata:
-                raise CompileCacheError(f"{self._source} is inconsistent: its op count or metadata differs from "
-                                        "its Program's; delete it and compile again")
+                raise CompileCacheError(self._source, "is inconsistent: its op count or metadata differs from its "
+                                        "Program's")
             full.metadata = self.metadata  # one dict, whoever edits it
             self._full = full
         return self._full

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fleetc.ir.program import Op, Program, Ref
-from fleetc.ir.repeated_blocks import _instance
+from fleetc.ir.repeated_blocks import block_instance
 
 REUSE_ENV = "FLEETC_BLOCK_REUSE"
 REUSERS = ("amp", "fusion", "recompute")
@@ -129,7 +129,7 @@ def find_block_copies(program: Program) -> BlockCopies:
     found = BlockCopies()
     blocks: dict[str, dict[str, list[tuple[int, Op]]]] = {}
     for position, op in enumerate(program.global_block.ops):
-        instance = _instance(op.module_path)
+        instance = block_instance(op.module_path)
         if instance is not None:
             blocks.setdefault(instance[0], {}).setdefault(instance[1], []).append((position, op))
     for instances in blocks.values():

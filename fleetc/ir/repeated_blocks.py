@@ -43,9 +43,10 @@ class RepeatedBlocks:
         return text
 
 
-def _instance(module_path: str) -> tuple[str, str] | None:
+def block_instance(module_path: str) -> tuple[str, str] | None:
     """(prefix, instance) of the outermost numbered component: `encoder.layers.3.fc` → (`encoder.layers`,
-    `encoder.layers.3`)."""
+    `encoder.layers.3`); None outside a numbered block. How repeated blocks are grouped, here and where their
+    copies are reused (block_copies.py, passes/precision/dtype_memo.py)."""
     match = _NUMBERED.match(module_path)
     if match is None:
         return None
@@ -113,7 +114,7 @@ def find_repeated_blocks(program: Program) -> list[RepeatedBlocks]:
     """Every run of two or more numbered sibling modules in the global block, grouped by identical form."""
     blocks: dict[str, dict[str, list[Op]]] = {}
     for op in program.global_block.ops:
-        found = _instance(op.module_path)
+        found = block_instance(op.module_path)
         if found is not None:
             blocks.setdefault(found[0], {}).setdefault(found[1], []).append(op)
     result = []

@@ -6,35 +6,60 @@ the passes from the nearest Program already built (`_Replay`), and so is its mem
 inspects pays for neither (the last record's estimate is made at once: the compile report reads it). Passes are
 deterministic, and the replay checks that: each rebuilt Program must have the op names and types, and the Var
 names, that the live one had right after the same pass (`fingerprint`), else a PassError says which pass gave
-something else. The live Program also lets a pass hand its blocks' use-def indexes on to the next pass
+something else; under `verify` (`fingerprint_arguments`), also the same op arguments, outputs and attributes.
+The live Program also lets a pass hand its blocks' use-def indexes on to the next pass
 (`fleetc.ir.usedef.keeping`): after each pass only the indexes that pass handed on survive.
 """
 from __future__ import annotations
 
 import difflib
 import hashlib
+import json
 import time
 from collections.abc import Sequence
 from typing import Any, Iterable
+
+import sympy
+import torch
 
 from fleetc.errors import PassError
 from fleetc.ir import usedef
 from fleetc.ir.html import HtmlViewable
 from fleetc.ir.liveness import MemoryEstimate, estimate_memory
-from fleetc.ir.program import Program
+from fleetc.ir.program import Program, Ref
+from fleetc.ir.text_syntax import TORCH_CONSTANTS
 from fleetc.passes.base import Pass, PassReport
 from fleetc.passes.instruments import PassInstrument
 
 
-def fingerprint(program: Program) -> str:
+def fingerprint(program: Program, arguments: bool = False) -> str:
     """A digest of the Program's structure: per block, its op names and types in order and its Var names. One
-    cheap walk (no arguments visited), so the manager takes one after every pass to check replays against."""
+    cheap walk (no arguments visited), so the manager takes one after every pass to check replays against. With
+    `arguments`, also every op's arguments, outputs and attributes: some 20x the cost (bench/README.md), so the
+    manager takes that one only when asked (`fingerprint_arguments`, the compile's `verify`)."""
     digest = hashlib.blake2b(digest_size=16)
     for block in program.blocks:
         digest.update(f"#{block.idx}<{block.parent_idx}|".encode())
         digest.update("\n".join(f"{op.name}={op.type}" for op in block.ops).encode())
         digest.update("|".join(block.vars).encode())
+        if arguments:
+            digest.update(_ARGUMENTS.encode([(op.args, op.kwargs, op.outputs, op.attrs) for op in block.ops]).encode())
     return digest.hexdigest()
+
+
+def _argument_leaf(value: Any) -> str:
+    """What the digest sees of a value JSON has no form for: a Var reference by name, a dtype, device, layout,
+    memory format or symbolic size by its text, anything else by its type alone (never its repr, which may hold
+    an address that differs between a run and its replay)."""
+    if type(value) is Ref:
+        return f"\0%{value.name}"
+    if isinstance(value, (torch.dtype, torch.device, *TORCH_CONSTANTS, sympy.Basic)):
+        return f"\0<{value}>"
+    return f"\0<{type(value).__qualname__}>"
+
+
+# C-speed walk of the nested arguments; keys JSON cannot hold are skipped, so a digest never fails.
+_ARGUMENTS = json.JSONEncoder(default=_argument_leaf, check_circular=False, skipkeys=True, separators=(",", ":"))
 
 
 class UnifiedDiff(HtmlViewable, str):
@@ -136,14 +161,14 @@ class _Replay:
     nearest Program already built, and every Program on the way is kept (so walking the whole history replays each
     pass once). A disabled pass shares the Program before it, as in the run."""
 
-    def __init__(self, base: Program, config: Any):
-        self.config = config
+    def __init__(self, base: Program, config: Any, arguments: bool = False):
+        self.config, self.arguments = config, arguments
         self.steps: list[tuple[Pass | None, str]] = []  # (pass, or None where disabled; fingerprint after it)
         self.built: dict[int, Program] = {-1: base}
 
     def add(self, p: Pass | None, program: Program) -> int:
         """Note that step `len(steps)` ran `p` (None: disabled) and left `program`; returns the step."""
-        self.steps.append((p, fingerprint(program)))
+        self.steps.append((p, fingerprint(program, self.arguments)))
         return len(self.steps) - 1
 
     def program(self, step: int) -> Program:
@@ -159,7 +184,7 @@ class _Replay:
                 except Exception as exc:
                     raise PassError(f"replaying pass {p.name!r} to rebuild the history's Program after it failed: "
                                     f"{type(exc).__name__}: {exc}") from exc
-                if fingerprint(program) != expected:
+                if fingerprint(program, self.arguments) != expected:
                     raise PassError(f"replaying pass {p.name!r} to rebuild the history's Program after it gave a "
                                     "different Program than the compile did: the pass is not deterministic")
             self.built[i] = program
@@ -168,16 +193,18 @@ class _Replay:
 
 class PassManager:
     """Applies passes in order to one live Program (a copy of the one given, which stays as it was); the records
-    of the passes before the last rebuild their Programs when asked (`_Replay`)."""
+    of the passes before the last rebuild their Programs when asked (`_Replay`); `fingerprint_arguments` makes
+    that replay check op arguments and attributes too."""
 
     def __init__(self, passes: Sequence[Pass], instruments: Sequence[PassInstrument] = (),
-                 disabled: Iterable[str] = ()):
+                 disabled: Iterable[str] = (), fingerprint_arguments: bool = False):
         self.passes = list(passes)
         self.instruments = list(instruments)
         self.disabled = set(disabled)
+        self.fingerprint_arguments = fingerprint_arguments
 
     def run(self, program: Program, config: Any, history: History) -> Program:
-        replay = _Replay(program, config)
+        replay = _Replay(program, config, self.fingerprint_arguments)
         live = program.clone()
         with usedef.keeping(live):
             for p in self.passes:

@@ -3,16 +3,19 @@ hand their use-def index on to the next pass."""
 from __future__ import annotations
 
 import pytest
+import torch
 from helpers.scaling import all_passes_strategy, encoder_and_batch
 
+import fleetc
 from fleetc.capture import capture_train_program
 from fleetc.errors import PassError, VerificationError
 from fleetc.ir import usedef
 from fleetc.ir.liveness import estimate_memory
 from fleetc.ir.program import Op, Program, Ref
+from fleetc.passes import manager
 from fleetc.passes.base import PassReport
 from fleetc.passes.fusion import match
-from fleetc.passes.manager import History, PassManager, PassRecord
+from fleetc.passes.manager import History, PassManager, PassRecord, fingerprint
 from fleetc.passes.order import ordered_passes
 from fleetc.strategy import resolve_conflicts, resolve_strategy
 
@@ -27,9 +30,10 @@ def _config():
     return resolve_conflicts(resolve_strategy(all_passes_strategy()))[0]
 
 
-def _run(program: Program, passes, config, disabled=()) -> tuple[Program, History]:
+def _run(program: Program, passes, config, disabled=(), fingerprint_arguments=False) -> tuple[Program, History]:
     history = History([PassRecord("capture", program, PassReport("capture"), 0.0, estimate_memory(program))])
-    return PassManager(passes, disabled=disabled).run(program, config, history), history
+    manager = PassManager(passes, disabled=disabled, fingerprint_arguments=fingerprint_arguments)
+    return manager.run(program, config, history), history
 
 
 def test_history_programs_rebuilt_on_request_print_as_a_copy_per_pass_would(captured, monkeypatch):
@@ -95,6 +99,51 @@ def test_replaying_a_pass_that_is_not_deterministic_is_refused(captured):
     _, history = _run(captured, [_Unsteady(), _Last()], _config())
     with pytest.raises(PassError, match="replaying pass 'unsteady'.*not deterministic"):
         history["unsteady"].program  # noqa: B018
+
+
+class _UnsteadyInside:
+    """A pass that is not deterministic in one value only: the op it adds has the same name, type and outputs on
+    every run, but its argument, its dtype argument or an attribute depends on how many times it ran."""
+
+    name = "unsteady_inside"
+    runs = 0
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def run(self, program: Program, config) -> tuple[Program, PassReport]:
+        type(self).runs += 1
+        odd = self.runs % 2 == 1
+        loss = Ref(program.fetches["loss"])
+        args = {"argument": (loss, self.runs), "dtype": (loss, torch.float32 if odd else torch.bfloat16),
+                "attribute": (loss, 1)}[self.where]
+        attrs = {"note": self.runs} if self.where == "attribute" else {}
+        program.global_block.ops.append(Op("unsteady", "aten.add.Scalar", args, outputs=[None], attrs=attrs))
+        return program, PassReport(self.name, changed=True)
+
+
+@pytest.mark.parametrize("where", ["argument", "dtype", "attribute"])
+def test_replaying_a_pass_that_changes_only_a_value_is_refused_when_arguments_are_fingerprinted(captured, where):
+    _, history = _run(captured, [_UnsteadyInside(where), _Last()], _config(), fingerprint_arguments=True)
+    with pytest.raises(PassError, match="replaying pass 'unsteady_inside'.*not deterministic"):
+        history["unsteady_inside"].program  # noqa: B018
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_verified_compile_fingerprints_arguments_and_every_pass_replays_to_the_same_values(monkeypatch, verify):
+    asked = []
+
+    def recorded(program: Program, arguments: bool = False) -> str:
+        asked.append(arguments)
+        return fingerprint(program, arguments)
+
+    monkeypatch.setattr(manager, "fingerprint", recorded)
+    model, optimizer, batch = encoder_and_batch(2)
+    trainer = fleetc.compile(model, all_passes_strategy(), optimizer=optimizer, verify=verify)
+    trainer.step(*batch)
+    assert asked and set(asked) == {verify}
+    programs = [str(record.program) for record in trainer.history]  # every pass replayed and checked
+    assert len(set(programs)) >= 4
 
 
 def _index_builds(captured: Program, config, monkeypatch) -> int:

@@ -286,17 +286,41 @@ def test_a_full_hit_decodes_the_captured_program_only_when_used(cache_dir):
     assert captured == cold.history[0].program and type(captured.clone()) is Program
 
 
-def test_a_deferred_program_that_does_not_decode_names_its_entry(cache_dir):
-    _compile()
+@pytest.mark.parametrize("damage", ["garbled bytes", "unknown tag", "op count"])
+def test_a_capture_whose_ops_do_not_decode_is_captured_again_with_a_warning(cache_dir, monkeypatch, damage):
+    cold = _compile(verify=True)
     (entry,) = _entries(cache_dir, "capture")
     data = json.loads(entry.read_text())
-    program = json.loads(data["payload"]["program_json"])
-    program["blocks"][0]["ops"][0]["args"] = [{"$call": "os.system"}]  # damage past the metadata
-    data["payload"]["program_json"] = json.dumps(program)
+    text = good = data["payload"]["program_json"]
+    body = text.index('"blocks"') + 40
+    if damage == "garbled bytes":  # the entry and the Program's header still parse; its blocks do not
+        text = text[:body] + "#\t@@ junk ]]" + text[body + 12:]
+    elif damage == "unknown tag":
+        program = json.loads(text)
+        program["blocks"][0]["ops"][0]["args"] = [{"$call": "os.system"}]
+        text = json.dumps(program)
+    else:  # the text is intact, so the passes would hit; verify=True decodes the captured Program first
+        data["payload"]["ops"] += 1
+    data["payload"]["program_json"] = text
     entry.write_text(json.dumps(data))
-    # The passes key hashes the damaged text, so the passes run on the captured Program, which must decode now.
-    with pytest.raises(CompileCacheError, match=f"{entry.name} does not decode.*unknown tag"):
-        _compile()
+    ran = []
+    monkeypatch.setattr(os, "system", lambda *a: ran.append(a))  # nothing read from the entry may run
+    # The header decodes, so the hit stands until its ops are needed (by the passes, a miss since their key hashes
+    # the damaged text, or by verify=True); then the compile warns, naming the file, captures again and stores a
+    # good entry in its place.
+    reason = "is inconsistent" if damage == "op count" else "does not decode"
+    with pytest.warns(CompileCacheWarning, match=f"ignoring entry {entry}, which {reason}"):
+        again = _compile(verify=True)
+    assert not ran
+    assert _outcome(again) == {"capture": "miss", "passes": "hit"}  # the fresh capture is the stored one again
+    assert "captured again" in again.report().cache[0] and "stored" in again.report().cache[0]
+    assert type(again.history[0].program) is Program
+    torch.testing.assert_close(again.step(torch.ones(2, 8)), cold.step(torch.ones(2, 8)))
+    assert json.loads(entry.read_text())["payload"] == json.loads(
+        json.dumps({**data["payload"], "program_json": good, "ops": cold.history[0].program.num_ops()}))
+    warm = _compile()
+    assert _outcome(warm) == {"capture": "hit", "passes": "hit"}
+    assert format_program(warm.history[0].program) == format_program(cold.history[0].program)
 
 
 def test_a_deferred_program_whose_op_count_disagrees_is_refused(cache_dir):

@@ -79,6 +79,22 @@ def _forward_pointers(t: str) -> list[str]:
             "  float* rstd_out = (float*)data[9];"]
 
 
+def _grad_pointers(t: str) -> list[str]:
+    """The backward kernels' first twelve data pointers (NCHW and NHWC alike), element type `t`."""
+    return [f"  const {t}* dout = (const {t}*)data[0];",
+            f"  const {t}* saved = (const {t}*)data[1];",
+            f"  const {t}* x = (const {t}*)data[2];",
+            "  const float* weight = (const float*)data[3];",
+            "  const float* running_mean = (const float*)data[4];",
+            "  const float* running_var = (const float*)data[5];",
+            "  const float* save_mean = (const float*)data[6];",
+            "  const float* save_rstd = (const float*)data[7];",
+            f"  {t}* dx = ({t}*)data[8];",
+            "  float* dweight = (float*)data[9];",
+            "  float* dbias = (float*)data[10];",
+            f"  {t}* dpre = ({t}*)data[11];"]
+
+
 @functools.lru_cache(maxsize=None)
 def forward_kernel(dtype: str, training: bool, residual: bool, act: str, param: Any) -> CppKernel:
     """data = [x, residual, weight, bias, running_mean, running_var, out, pre, mean, rstd]; scalars = [momentum, eps]."""
@@ -124,18 +140,7 @@ def grad_kernel(dtype: str, training: bool, act: str, param: Any, need_dx: bool)
     x = load(dtype, "x[o + s]")
     dy = activation_grad_expression(act, param, load(dtype, "dout[o + s]"), load(dtype, "saved[o + s]"), C)
     lines = [signature(name) + " {",
-             f"  const {t}* dout = (const {t}*)data[0];",
-             f"  const {t}* saved = (const {t}*)data[1];",
-             f"  const {t}* x = (const {t}*)data[2];",
-             "  const float* weight = (const float*)data[3];",
-             "  const float* running_mean = (const float*)data[4];",
-             "  const float* running_var = (const float*)data[5];",
-             "  const float* save_mean = (const float*)data[6];",
-             "  const float* save_rstd = (const float*)data[7];",
-             f"  {t}* dx = ({t}*)data[8];",
-             "  float* dweight = (float*)data[9];",
-             "  float* dbias = (float*)data[10];",
-             f"  {t}* dpre = ({t}*)data[11];",
+             *_grad_pointers(t),
              "  const double eps = scalars[0];"]
     if training:
         stats = ["const float mean = save_mean[c], rstd = save_rstd[c];"]
@@ -268,18 +273,7 @@ def grad_kernel_nhwc(dtype: str, training: bool, act: str, param: Any, need_dx: 
     x = load(dtype, "x[o + c]")
     dy = activation_grad_expression(act, param, load(dtype, "dout[o + c]"), load(dtype, "saved[o + c]"), C)
     lines = [signature(name) + " {",
-             f"  const {t}* dout = (const {t}*)data[0];",
-             f"  const {t}* saved = (const {t}*)data[1];",
-             f"  const {t}* x = (const {t}*)data[2];",
-             "  const float* weight = (const float*)data[3];",
-             "  const float* running_mean = (const float*)data[4];",
-             "  const float* running_var = (const float*)data[5];",
-             "  const float* save_mean = (const float*)data[6];",
-             "  const float* save_rstd = (const float*)data[7];",
-             f"  {t}* dx = ({t}*)data[8];",
-             "  float* dweight = (float*)data[9];",
-             "  float* dbias = (float*)data[10];",
-             f"  {t}* dpre = ({t}*)data[11];",
+             *_grad_pointers(t),
              "  double* part = (double*)data[12];",
              *_NHWC_HEAD,
              "  float* mean = (float*)data[13];",

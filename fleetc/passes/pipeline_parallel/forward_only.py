@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from fleetc.errors import PassError
 from fleetc.ir.program import Program, VarKind
-from fleetc.passes.pipeline_parallel.partition import _recv, _send, _sub_program
+from fleetc.passes.pipeline_parallel.partition import recv_ops, send_ops, sub_program
 from fleetc.passes.pipeline_parallel.stages import assign_stages
 
 
@@ -54,16 +54,16 @@ def partition_forward(program: Program, microbatches: int) -> ForwardPlan:
                    for s in range(count)]
     stages = []
     for s in range(count):
-        body = ((_recv(program, activations[s - 1], s - 1, "activation") if s > 0 and activations[s - 1] else [])
+        body = ((recv_ops(program, activations[s - 1], s - 1, "activation") if s > 0 and activations[s - 1] else [])
                 + [op for op in ops if st[op.name] == s]
-                + (_send(activations[s], s + 1, "activation") if s < count - 1 and activations[s] else []))
+                + (send_ops(activations[s], s + 1, "activation") if s < count - 1 and activations[s] else []))
         fetches = dict(program.fetches) if s == count - 1 else {}
         defined = {n for op in body for n in op.defined}
         missing = sorted(set(fetches.values()) - defined)
         if missing:
             raise PassError(f"output {missing[0]!r} of the evaluation Program is no value a stage computes (an input "
                             "or a parameter returned as is): forward-only pipelining cannot fetch it")
-        stages.append(_sub_program(program, body, fetches, f"pipeline stage {s} forward (evaluation)"))
+        stages.append(sub_program(program, body, fetches, f"pipeline stage {s} forward (evaluation)"))
     return ForwardPlan(stages, microbatches, activations)
 
 

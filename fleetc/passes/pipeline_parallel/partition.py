@@ -315,10 +315,10 @@ def _stage_programs(program: Program, s: int, stage_map: StageMap, opt_stages: d
         elif param not in shared and s in param_stages.get(param, ()):
             grad_fetch[local_name(grad, replicas)] = grad
             held.append(grad)
-    recv_act = _recv(program, activations[s - 1], s - 1, "activation") if s > 0 else []
-    send_act = _send(activations[s], s + 1, "activation") if s < count - 1 else []
-    recv_grad = _recv(program, gradients[s + 1], s + 1, "gradient") if s < count - 1 else []
-    send_grad = _send(sends_back, s - 1, "gradient") if s > 0 else []
+    recv_act = recv_ops(program, activations[s - 1], s - 1, "activation") if s > 0 else []
+    send_act = send_ops(activations[s], s + 1, "activation") if s < count - 1 else []
+    recv_grad = recv_ops(program, gradients[s + 1], s + 1, "gradient") if s < count - 1 else []
+    send_grad = send_ops(sends_back, s - 1, "gradient") if s > 0 else []
     # a shared parameter's parts are summed over its stages first (each replica's own), then averaged over the
     # replicas with the stage's other gradients: every gradient then takes one path, which sharding rewrites
     shared_sums = [_shared_sum(program, grads[p], s, holders, local_name(grads[p], replicas))
@@ -349,7 +349,7 @@ def _stage_programs(program: Program, s: int, stage_map: StageMap, opt_stages: d
             for key, name in grad_fetch.items():
                 if name in defined:
                     fetches[f"grad:{key}"] = name
-        phases[phase] = _sub_program(program, body, fetches, f"pipeline stage {s} {phase}")
+        phases[phase] = sub_program(program, body, fetches, f"pipeline stage {s} {phase}")
     rewrap_skip_block(phases["optimizer"])
     params = sorted(p for p, holders in param_stages.items() if s in holders)
     return StagePrograms(s, phases, params)
@@ -366,14 +366,17 @@ def _closure(ops: list[Op], wanted: set[str]) -> list[Op]:
     return list(reversed(keep))
 
 
-def _recv(program: Program, names: list[str], peer: int, tag: str) -> list[Op]:
+def recv_ops(program: Program, names: list[str], peer: int, tag: str) -> list[Op]:
+    """The `fleetc.pipeline_recv` op that defines `names` (shapes and dtypes from `program`), sent by stage `peer`
+    under `tag` ("activation" or "gradient"); shared by training (here) and forward-only pipelining."""
     shapes = [list(program.var(n).shape or ()) for n in names]
     dtypes = [program.var(n).dtype for n in names]
     return [Op(f"recv_{tag}_from_{peer}", "fleetc.pipeline_recv", (peer, tag, shapes, dtypes), outputs=list(names),
                attrs={"op_role": int(OpRole.COLLECTIVE)})]
 
 
-def _send(names: list[str], peer: int, tag: str) -> list[Op]:
+def send_ops(names: list[str], peer: int, tag: str) -> list[Op]:
+    """The `fleetc.pipeline_send` op that sends `names` to stage `peer` under `tag` (the matching `recv_ops`)."""
     return [Op(f"send_{tag}_to_{peer}", "fleetc.pipeline_send", ([Ref(n) for n in names], peer, tag),
                attrs={"op_role": int(OpRole.COLLECTIVE)})]
 
@@ -383,8 +386,9 @@ def _shared_sum(program: Program, grad: str, s: int, holders: list[int], out: st
               outputs=[out], attrs={"op_role": int(OpRole.OPTIMIZE | OpRole.COLLECTIVE)})
 
 
-def _sub_program(program: Program, ops: list[Op], fetches: dict[str, str], kind: str) -> Program:
-    """A Program of `ops` (copied): what they read and do not compute becomes a feed (DATA, or HYPER as it was)."""
+def sub_program(program: Program, ops: list[Op], fetches: dict[str, str], kind: str) -> Program:
+    """A Program of `ops` (copied) with these `fetches` and `metadata["kind"] = kind`: what they read and do not
+    compute becomes a feed (DATA, or HYPER as it was). One stage's Program, in training and forward-only pipelining."""
     sub = Program()
     sub.metadata = {"kind": kind}
     block: Block = sub.global_block

@@ -19,7 +19,7 @@ from typing import Any
 
 from fleetc.ir.block_copies import reuse_enabled
 from fleetc.ir.program import Op, map_refs
-from fleetc.ir.repeated_blocks import _instance
+from fleetc.ir.repeated_blocks import block_instance
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class DtypeMemo:
             return run()
         describe_ref = lambda ref: describe(ref.name)
         key = repr((op.type, map_refs(args, describe_ref), map_refs(kwargs, describe_ref)))
-        block = _instance(op.module_path)
+        block = block_instance(op.module_path)
         if key in self.answers:
             self.hits[block] += 1
             return self.answers[key]
