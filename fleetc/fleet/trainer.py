@@ -178,7 +178,8 @@ class DataParallelTrainer(CompiledTrainer):
         return pipeline if isinstance(pipeline, DistributedPipeline) else None
 
     def _make_forward_pipeline(self, program: Program) -> ForwardPipeline | WholeDuringRun:
-        """This process's rank of the forward-only pipeline (the mesh's pp axis), over torch.distributed."""
+        """This process's rank of the forward-only pipeline (the mesh's pp axis), over torch.distributed; under
+        sharding stage 3 its stages' parameters are gathered whole for each run."""
         if self.world_size == 1:
             return super()._make_forward_pipeline(program)
         pipeline = forward_pipeline(program, self.cpu_kernels, self.mesh.group_of("pp", env.rank()), "pp",

@@ -84,11 +84,11 @@ def fleet_train(rank: int, args: dict, out_dir: str) -> None:
         batch, _ = ZOO[args["model"]].make_batch(g)
         losses.append(float(trainer.step(*(a.chunk(replicas)[replica] for a in batch))))
     pipe = trainer._last_train.pipeline
-    optimizer_program = pipe.plan.stages[pipe.ranks_here[0]].phases["optimizer"]
+    phases = pipe.plan.stages[pipe.ranks_here[0]].phases
+    optimizer_program = phases["optimizer"]
     sharding = {"owned": sorted(trainer._owned or ()),
                 "optimizer_ops": [op.type for op in optimizer_program.global_block.ops],
-                "gather_ops": [op.type for op in pipe.plan.stages[pipe.ranks_here[0]].phases["gather"].global_block.ops]
-                if "gather" in pipe.plan.stages[pipe.ranks_here[0]].phases else [],
+                "gather_ops": [op.type for op in phases["gather"].global_block.ops] if "gather" in phases else [],
                 "state": sorted(n for n, p in model.named_parameters() if trainer.optimizer.state.get(p)),
                 "state_pieces": len(optimizer_program.metadata.get("state_pieces", {})),
                 "state_elements": sum(t.numel() for slot in trainer.optimizer.state.values() for t in slot.values()

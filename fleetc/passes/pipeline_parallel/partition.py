@@ -88,7 +88,7 @@ class PipelinePlan:
     def describe(self) -> str:
         """The split in words; the same on every rank (what the ranks compare before the first step)."""
         lines = [f"pipeline: {len(self.stages)} stage(s), {self.microbatches} micro-batch(es)"]
-        # under sharding the optimizer Programs differ per rank (each updates what it owns): not counted then
+        # under sharding the optimizer (and stage 3's gather) Programs differ per rank: not counted then
         counted = ("backward_input", "backward_weight") + (("optimizer", "gather") if self.sharding else ())
         for s, stage in enumerate(self.stages):
             ops = sum(p.num_ops() for name, p in stage.phases.items() if name not in counted)

@@ -31,7 +31,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 from fleetc.ir.program import Program
-from fleetc.passes.pipeline_parallel.stage3 import GATHER_PHASE, gather_program
+from fleetc.passes.pipeline_parallel.stage3 import GATHER_PHASE, gather_program, gathered_bytes
 from fleetc.passes.sharding.optimizer_sharding import Sharding
 
 if TYPE_CHECKING:
@@ -67,9 +67,11 @@ def shard_stages(program: Program, stages: list[StagePrograms]) -> str:
     program.metadata.setdefault("collective_groups", {}).update(meta["groups"])
     how = ("reduce-scatters its gradients and " if per_stage["stage"] == 2 else "") + "updates the parameters it owns"
     if per_stage["stage"] == 3:
+        in_flight = ", ".join(f"stage {stage.stage} {gathered_bytes(stage.phases[GATHER_PHASE])}" for stage in stages)
         return (f"sharding stage 3: each of a stage's {meta['degree']} sharding ranks holds a flat piece of the "
                 "stage's parameters between steps; the stage's gather Program all-gathers them once per step, "
                 "before its first micro-batch forward, and they stay gathered through its last micro-batch "
-                "backward; its optimizer Program reduce-scatters the summed gradients and updates the pieces")
+                f"backward (bytes in flight meanwhile: {in_flight}); its optimizer Program reduce-scatters the "
+                "summed gradients and updates the pieces")
     return (f"sharding stage {per_stage['stage']}: in each stage's optimizer Program, each of the stage's "
             f"{meta['degree']} sharding ranks {how}, then the stage's parameters are all-gathered")

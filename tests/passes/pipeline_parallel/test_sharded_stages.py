@@ -5,6 +5,7 @@ are checked on 4 gloo processes in tests/fleet/test_sharded_pipeline.py."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -112,6 +113,11 @@ def test_stage_3_holds_pieces_of_each_stage_and_gathers_them_once_per_step():
             assert set(gather.fetches) == read & set(stage.params)  # every parameter the compute reads, whole
         for name, elements in covered.items():  # the two ranks' pieces: the whole parameter, once
             assert elements == math.prod(_whole_shape(runs[0][1].stages[s], name)), name
+        # the gathered stage, in flight through the step's compute: its float32 parameters, each bucket padded to a
+        # multiple of the 2 ranks
+        in_flight = int(re.search(rf"stage {s} (\d+)", runs[0][1].describe()).group(1))
+        buckets = len(runs[0][0].metadata["sharding"]["stage_layouts"][s]["param_buckets"])
+        assert 4 * sum(covered.values()) <= in_flight <= 4 * (sum(covered.values()) + buckets)
 
 
 def _whole_shape(stage, name: str) -> tuple:
