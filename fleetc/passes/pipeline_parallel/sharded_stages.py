@@ -31,7 +31,11 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 from fleetc.ir.program import Program
-from fleetc.passes.pipeline_parallel.stage3 import GATHER_PHASE, gather_program, gathered_bytes
+from fleetc.passes.pipeline_parallel.stage3 import (
+    GATHER_PHASE,
+    gather_program,
+    gathered_bytes,
+)
 from fleetc.passes.sharding.optimizer_sharding import Sharding
 
 if TYPE_CHECKING:

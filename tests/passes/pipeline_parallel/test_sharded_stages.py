@@ -15,7 +15,7 @@ import fleetc
 from fleetc.comm.mesh import ProcessMesh
 from fleetc.errors import PassStrategyError
 from fleetc.fleet.trainer import sharding_metadata
-from fleetc.ir.program import OpRole
+from fleetc.ir.program import OpRole, Program
 from fleetc.passes.data_parallel import InsertAllreduce
 from fleetc.passes.data_parallel.common import START
 from fleetc.passes.optimizers.clip import GradientClip
@@ -138,14 +138,18 @@ def test_stage_3_under_pipeline_refuses_what_it_does_not_build_by_name(fields, c
         _split(3, 0, fields=fields, clip=clip)
 
 
-def test_with_data_parallel_replicas_the_shards_are_averaged_over_the_dp_axis():
-    """dp=2 × pp=2 × sharding=2 (8 ranks, Program level only): a stage's replicas are 4 ranks; stage 2 reduce-scatters
-    over the 2-rank sharding group, then sums the shard over the dp axis."""
+@pytest.mark.parametrize("stage", [2, 3])
+def test_with_data_parallel_replicas_the_shards_are_averaged_over_the_dp_axis(stage):
+    """dp=2 × pp=2 × sharding=2 (8 ranks, Program level only): a stage's replicas are 4 ranks; stages 2 and 3
+    reduce-scatter over the 2-rank sharding group, then sum the shard over the dp axis; stage 3 gathers the
+    parameters over the sharding group only."""
     mesh = ProcessMesh(dp=2, pp=2, sharding=2)
-    program, plan, _ = _split(2, mesh.rank(dp=1, pp=1, sharding=1), mesh)
+    program, plan, _ = _split(stage, mesh.rank(dp=1, pp=1, sharding=1), mesh)
     groups = program.metadata["collective_groups"]
     assert groups["dp:0"] == mesh.groups("dp", "sharding") and groups["sharding"] == mesh.groups("sharding")
     assert groups["sharding_dp"] == mesh.groups("dp")
-    for stage in plan.stages:
-        scatter = next(op for op in stage.phases["optimizer"].global_block.ops if op.type == RS_START)
+    for chunk in plan.stages:
+        scatter = next(op for op in chunk.phases["optimizer"].global_block.ops if op.type == RS_START)
         assert scatter.args[3:5] == ("sharding", "sharding_dp")
+        gathers = [op for op in chunk.phases.get("gather", Program()).global_block.ops if op.type == GATHER_START]
+        assert bool(gathers) == (stage == 3) and all(op.args[4] == "sharding" for op in gathers)
