@@ -10,14 +10,15 @@ for the duration of a `with` block, then releases them again.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
 from fleetc.comm.sharding_ops import c_sharding_allgather, owner_major_starts
+from fleetc.errors import StrategyError
 from fleetc.passes.sharding.plan import FlatBucket, ShardedBucket
 
 GROUP = "sharding"
@@ -143,12 +144,35 @@ class FlatShardedParameters:
             self.release()
 
 
+class WholeDuringRun:
+    """A forward-only pipeline whose stages' parameters are made whole (`whole()`, a collective over the sharding
+    group) for each run: sharding stage 3 × pipeline, where a rank holds pieces between steps."""
+
+    def __init__(self, pipeline: Any, whole: Callable[[], AbstractContextManager[None]]):
+        self.pipeline, self.whole = pipeline, whole
+
+    def run(self, state: dict[str, torch.Tensor], inputs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        with self.whole():  # the state holds the module's Parameter objects: whole inside the block
+            return self.pipeline.run(state, inputs)
+
+
 HeldParameters = ShardedParameters | FlatShardedParameters  # what a stage-3 rank holds of the module's parameters
 
 
-def sharded_parameters(model: nn.Module, metadata: dict) -> HeldParameters | None:
-    """The stage-3 bookkeeping for a compiled training Program's metadata (None: parameters are not sharded)."""
+def sharded_parameters(model: nn.Module, metadata: dict, chunks: list[int] | None = None) -> HeldParameters | None:
+    """The stage-3 bookkeeping for a compiled training Program's metadata (None: parameters are not sharded); under
+    a pipeline, of the pipeline stages `chunks` this process runs (passes/pipeline_parallel/stage3.py)."""
     sharding = metadata.get("sharding") or {}
+    if sharding.get("stage_layouts") and chunks:
+        layouts = [sharding["stage_layouts"][s] for s in chunks]
+        pieces: dict[str, list[int]] = {}
+        for layout in layouts:
+            for name, piece in layout["param_pieces"].items():
+                if list(pieces.setdefault(name, piece)) != list(piece):
+                    raise StrategyError(f"sharding stage 3 with pipeline: parameter {name!r} is cut into different "
+                                        "pieces by two pipeline stages of this process; run one stage per process")
+        return FlatShardedParameters(model, [b for layout in layouts for b in layout["param_buckets"]], pieces,
+                                     sharding["rank"], sharding["degree"])
     if sharding.get("param_layout") == "flat":
         return FlatShardedParameters(model, sharding["param_buckets"], sharding["param_pieces"], sharding["rank"],
                                      sharding["degree"])

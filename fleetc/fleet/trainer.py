@@ -16,7 +16,12 @@ from fleetc.comm.plan import check_plans_agree, check_ranks_agree
 from fleetc.compiler import CompiledStep, CompiledTrainer
 from fleetc.errors import CheckpointError, StrategyError
 from fleetc.fleet.pipeline_state import gather_stage_state, save_pipeline_checkpoint
-from fleetc.fleet.sharded_params import HeldParameters, sharded_parameters, whole
+from fleetc.fleet.sharded_params import (
+    HeldParameters,
+    WholeDuringRun,
+    sharded_parameters,
+    whole,
+)
 from fleetc.fleet.sharded_state import (
     SHARD_FILE,
     drop_foreign_state,
@@ -139,7 +144,8 @@ class DataParallelTrainer(CompiledTrainer):
             if self._owned is not None:
                 drop_foreign_state(self.optimizer, self.model, self._owned)  # e.g. loaded from a checkpoint
             if self._sharded_params is None:
-                self._sharded_params = sharded_parameters(self.model, compiled.program.metadata)
+                self._sharded_params = sharded_parameters(self.model, compiled.program.metadata,
+                                                          getattr(compiled.pipeline, "chunks", None))
                 if self._sharded_params is not None:  # stage 3: keep only the parameters this rank owns
                     self._sharded_params.release()
         if self._sharded_params is not None:  # the guards describe the model as steps see it: released
@@ -171,12 +177,16 @@ class DataParallelTrainer(CompiledTrainer):
         pipeline = self._last_train.pipeline if self._last_train is not None else None
         return pipeline if isinstance(pipeline, DistributedPipeline) else None
 
-    def _make_forward_pipeline(self, program: Program) -> ForwardPipeline:
-        """This process's rank of the forward-only pipeline (the mesh's pp axis), over torch.distributed."""
+    def _make_forward_pipeline(self, program: Program) -> ForwardPipeline | WholeDuringRun:
+        """This process's rank of the forward-only pipeline (the mesh's pp axis), over torch.distributed; under
+        sharding stage 3 its stages' parameters are gathered whole for each run."""
         if self.world_size == 1:
             return super()._make_forward_pipeline(program)
-        return forward_pipeline(program, self.cpu_kernels, self.mesh.group_of("pp", env.rank()), "pp",
-                                env.collective_timeout().total_seconds())
+        pipeline = forward_pipeline(program, self.cpu_kernels, self.mesh.group_of("pp", env.rank()), "pp",
+                                    env.collective_timeout().total_seconds())
+        if self.config.sharding and self.config.sharding_configs.stage == 3:  # the stages hold pieces between steps
+            return WholeDuringRun(pipeline, self.whole_parameters)
+        return pipeline
 
     def _gather_pipeline_stages(self) -> None:
         """With one pipeline stage per process, each rank's model is current for its stages only: gather the others'
@@ -213,6 +223,7 @@ class DataParallelTrainer(CompiledTrainer):
         """Copies of the whole, current parameters and buffers on every rank (stage 3: gathered from their owners;
         a collective, so every rank calls it)."""
         with whole(self._sharded_params):
+            self._gather_pipeline_stages()  # one pipeline stage per process: the other stages' current state too
             return super().full_state_dict()
 
     # ----- checkpointing: the first rank writes, every rank restores ------------------------

@@ -31,6 +31,7 @@ from fleetc.passes.pipeline_parallel.schedule import (
     Action,
     Schedule,
 )
+from fleetc.passes.pipeline_parallel.stage3 import GATHER_PHASE
 from fleetc.runtime.executor import Executable
 from fleetc.runtime.hyperparameters import HyperparameterFeeds
 from fleetc.runtime.state import StateBinding
@@ -70,9 +71,11 @@ class PipelineExecutor:
         # the action after which a (chunk, micro-batch)'s values are dead: its activations are freed there, so a
         # schedule holds only the micro-batches it has in flight (1F1B: at most p), not every one until the update
         self.last_reader: dict[tuple[int, int], Action] = {}
+        self.last_compute: dict[int, Action] = {}  # each chunk's last compute action of a step
         for rank in ranks_here:
             for action in schedule.compute_actions(rank):
                 self.last_reader[(action.stage, action.microbatch)] = action
+                self.last_compute[action.stage] = action
         self.k_steps, self.merge_avg = k_steps, merge_avg
         self.steps_merged = 0  # steps whose gradients the carried sums hold
         self._carried: dict[int, dict[str, torch.Tensor]] | None = None
@@ -161,9 +164,14 @@ class PipelineExecutor:
     def _prepare(self, args: tuple) -> _Step:
         batches = self._microbatches(args)
         hyper = dict(zip(self.hyper_names, self._hyper_values()))
-        return _Step(self._chunk_state(self.binding.resolve()), hyper,
+        step = _Step(self._chunk_state(self.binding.resolve()), hyper,
                      {(s, i): dict(batches[i]) for s in self.chunks for i in range(len(batches))},
                      self._carried or {s: {} for s in self.chunks}, {}, self.updates_next_step)
+        for s in self.chunks:  # sharding stage 3: the chunk's parameters whole for this step's compute (stage3.py)
+            gather = self.executables[s].get(GATHER_PHASE)
+            if gather is not None:
+                step.gathered[s] = {**step.states[s], **gather.run(step.states[s], [])}
+        return step
 
     def _run_rank(self, rank: int, channel: Any, step: _Step) -> None:
         with use_channel(channel):
@@ -184,7 +192,9 @@ class PipelineExecutor:
         channel.stage, channel.microbatch = s, mb
         exe = self.executables[s][action.kind]
         values = step.env[(s, mb)]
-        out = exe.run(step.states[s], [values[n] for n in exe.program.feeds])
+        out = exe.run(step.gathered.get(s, step.states[s]), [values[n] for n in exe.program.feeds])
+        if self.last_compute[s] is action:  # its last micro-batch backward: the gathered parameters die
+            step.gathered.pop(s, None)
         for key, value in out.items():
             if key == "loss":
                 step.losses[mb] = value
@@ -200,11 +210,13 @@ class PipelineExecutor:
 
 class _Step:
     """One step's working set: per-chunk state, hyperparameters, per-(chunk, micro-batch) values, gradient sums
-    per chunk, the last stage's micro-batch losses, and whether the step runs the optimizer update."""
+    per chunk, the last stage's micro-batch losses, and whether the step runs the optimizer update; under sharding
+    stage 3 `gathered`: per chunk, its state with its parameters whole, until its last compute action."""
 
     def __init__(self, states: dict, hyper: dict, env: dict, sums: dict, losses: dict, update: bool):
         self.states, self.hyper, self.env, self.sums, self.losses = states, hyper, env, sums, losses
         self.update = update
+        self.gathered: dict[int, dict[str, torch.Tensor]] = {}
 
 
 class LocalPipeline(PipelineExecutor):

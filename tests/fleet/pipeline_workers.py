@@ -84,14 +84,20 @@ def fleet_train(rank: int, args: dict, out_dir: str) -> None:
         batch, _ = ZOO[args["model"]].make_batch(g)
         losses.append(float(trainer.step(*(a.chunk(replicas)[replica] for a in batch))))
     pipe = trainer._last_train.pipeline
-    optimizer_program = pipe.plan.stages[pipe.ranks_here[0]].phases["optimizer"]
+    phases = pipe.plan.stages[pipe.ranks_here[0]].phases
+    optimizer_program = phases["optimizer"]
     sharding = {"owned": sorted(trainer._owned or ()),
                 "optimizer_ops": [op.type for op in optimizer_program.global_block.ops],
+                "gather_ops": [op.type for op in phases["gather"].global_block.ops] if "gather" in phases else [],
                 "state": sorted(n for n, p in model.named_parameters() if trainer.optimizer.state.get(p)),
                 "state_pieces": len(optimizer_program.metadata.get("state_pieces", {})),
                 "state_elements": sum(t.numel() for slot in trainer.optimizer.state.values() for t in slot.values()
                                       if isinstance(t, torch.Tensor) and t.dim() > 0)}
-    named = {n: p.detach().clone() for n, p in model.named_parameters()}  # before a checkpoint gathers the rest
+    stage_params = {n for s in pipe.chunks for n in pipe.plan.stages[s].params}
+    # stage 3: the elements of its stage's parameters this rank holds between steps
+    held = {n: p.numel() for n, p in model.named_parameters() if n in stage_params}
+    named = _current(trainer, model)  # before a checkpoint gathers the rest
+    full = trainer.full_state_dict() if args.get("sharding_stage") == 3 else None  # every stage's, on every rank
     evaluated = trainer(batch[0]) if args.get("evaluate") else None   # every rank calls it
     eval_executor = type(trainer._last_eval.pipeline).__name__ if args.get("evaluate") else None
     resumed = {}
@@ -100,8 +106,8 @@ def fleet_train(rank: int, args: dict, out_dir: str) -> None:
         resumed = _resume(rank, args, strategy, os.path.join(out_dir, "checkpoint"), g, replica)
     torch.save({"losses": losses, "mesh": str(trainer.mesh), "executor": type(pipe).__name__, "evaluated": evaluated, "resumed": resumed,
                 "eval_executor": eval_executor,
-                "skipped": trainer.report().skipped, "sharding": sharding,
-                "params": {n: named[n] for s in pipe.chunks for n in pipe.plan.stages[s].params}},
+                "skipped": trainer.report().skipped, "sharding": sharding, "held": held, "full": full,
+                "params": {n: named[n] for n in stage_params}},
                os.path.join(out_dir, f"rank{rank}.pt"))
     fleet.barrier_worker()
     fleet.stop_worker()
@@ -149,8 +155,15 @@ def _resume(rank: int, args: dict, strategy, dirname: str, g: torch.Generator, r
     replicas = dist.get_world_size() // args["stages"]
     trainer.step(*(a.chunk(replicas)[replica] for a in batch))
     pipe = trainer._last_train.pipeline
-    named = dict(model.named_parameters())
-    return {n: named[n].detach().clone() for n in pipe.plan.stages[pipe.ranks_here[0]].params}
+    named = _current(trainer, model)
+    return {n: named[n] for n in pipe.plan.stages[pipe.ranks_here[0]].params}
+
+
+def _current(trainer, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of the model's parameters as this rank's stages left them (sharding stage 3: whole, gathered from the
+    pieces over the stage's sharding group, a collective)."""
+    with trainer.whole_parameters():
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def faults(rank: int, args: dict, out_dir: str) -> None:

@@ -21,6 +21,8 @@ from fleetc.comm.mesh import ProcessMesh
 from fleetc.fleet.sharded_state import SHARD_FILE
 from fleetc.passes.data_parallel.common import START
 from fleetc.passes.sharding.optimizer_sharding import GATHER, RS_START
+from fleetc.passes.sharding.param_sharding import GATHER_START as PARAM_GATHER_START
+from fleetc.passes.sharding.param_sharding import GATHER_WAIT as PARAM_GATHER_WAIT
 from fleetc.runtime import checkpoint_commit
 
 pytestmark = pytest.mark.slow  # CI still runs them
@@ -46,15 +48,7 @@ def test_sharded_stages_of_a_pipeline_match_eager(zoo_name, stage, clip_norm, k_
     losses, params = fleet_reference(zoo_name, STAGES, SHARDS * MICROBATCHES, STEPS * k_steps, k_steps,
                                      clip_norm)
     if args["evaluate"]:  # evaluation on every rank sees every stage's current, whole parameters
-        make, _ = STAGED[zoo_name]
-        reference = make(STAGES)
-        reference.load_state_dict({**reference.state_dict(), **params})
-        g = torch.Generator().manual_seed(1)
-        batches = [ZOO[zoo_name].make_batch(g)[0] for _ in range(STEPS * k_steps)]
-        with torch.no_grad():
-            expected = reference.eval()(batches[-1][0])
-        for r in results:
-            torch.testing.assert_close(r.result["evaluated"], expected)
+        _check_evaluation(results, zoo_name, params, STEPS * k_steps)
     owners: dict[tuple[int, str], list[int]] = {}
     for r in results:
         assert r.result["executor"] == "DistributedPipeline" and r.result["mesh"] == str(mesh)
@@ -84,6 +78,64 @@ def test_sharded_stages_of_a_pipeline_match_eager(zoo_name, stage, clip_norm, k_
     torch.testing.assert_close(replica_losses.mean(0), torch.tensor(losses, dtype=replica_losses.dtype))
     if args["checkpoint"]:
         _check_checkpoint(results, tmp_path / "checkpoint")
+
+
+def test_stage_3_of_a_pipeline_holds_pieces_and_matches_eager(tmp_path):
+    """Stage 3: each rank holds a flat piece of its stage's parameters between steps; the stage's gather Program
+    makes them whole once per step, the optimizer Program reduce-scatters and updates the pieces. Every rank
+    matches eager PyTorch (losses, every parameter), full_state_dict is whole on every rank, evaluation and the
+    checkpoint (saved whole, resumed on the same mesh and in one process) work."""
+    args = {"model": "gpt", "mode": "1F1B", "microbatches": MICROBATCHES, "steps": STEPS, "stages": STAGES,
+            "batch": 4, "sharding_stage": 3, "evaluate": True, "checkpoint": True}
+    results = spawn(STAGES * SHARDS, "fleet_train", args, tmp_path, deadline_s=300, module="fleet.pipeline_workers")
+    for r in results:
+        assert r.returncode == 0, r.output[-3000:]
+    mesh = ProcessMesh(pp=STAGES, sharding=SHARDS)
+    losses, params = fleet_reference("gpt", STAGES, SHARDS * MICROBATCHES, STEPS)
+    _check_evaluation(results, "gpt", params, STEPS)
+    expected = _trained("gpt", params).state_dict()
+    for r in results:
+        assert r.result["executor"] == "DistributedPipeline" and r.result["mesh"] == str(mesh)
+        assert all(results[q].result["losses"] == r.result["losses"] for q in mesh.group_of("pp", r.rank))
+        for name, value in r.result["params"].items():
+            torch.testing.assert_close(value, params[name],
+                                       msg=lambda m, name=name, rank=r.rank: f"rank {rank} {name}: {m}")
+        assert set(r.result["full"]) == set(expected)  # every stage's parameters and buffers, whole
+        for name, value in r.result["full"].items():
+            torch.testing.assert_close(value, expected[name],
+                                       msg=lambda m, name=name, rank=r.rank: f"rank {rank} full {name}: {m}")
+        ops, gathers = r.result["sharding"]["optimizer_ops"], r.result["sharding"]["gather_ops"]
+        assert RS_START in ops and GATHER not in ops and PARAM_GATHER_START not in ops  # no gather after the update
+        issued = [i for i, kind in enumerate(gathers) if kind == PARAM_GATHER_START]
+        assert issued and max(issued) < gathers.index(PARAM_GATHER_WAIT)  # every bucket in flight, then waited for
+    for s in range(STAGES):  # between steps the stage's sharding ranks hold disjoint pieces that cover it once
+        group = [results[q] for q in mesh.group_of("sharding", mesh.rank(pp=s))]
+        whole = sum(value.numel() for value in group[0].result["params"].values())
+        held = [sum(r.result["held"].values()) for r in group]
+        assert sum(held) == whole and max(held) < whole, (s, held, whole)
+        assert all(0 < h <= -(-whole // SHARDS) + SHARDS for h in held), held  # about even
+    replica_losses = torch.tensor([results[mesh.rank(sharding=i)].result["losses"] for i in range(SHARDS)])
+    torch.testing.assert_close(replica_losses.mean(0), torch.tensor(losses, dtype=replica_losses.dtype))
+    _check_checkpoint(results, tmp_path / "checkpoint")
+
+
+def _check_evaluation(results: list, zoo_name: str, params: dict, steps: int) -> None:
+    """Every rank's evaluation of the last batch is the reference model's with the trained parameters."""
+    reference = _trained(zoo_name, params)
+    g = torch.Generator().manual_seed(1)
+    batches = [ZOO[zoo_name].make_batch(g)[0] for _ in range(steps)]
+    with torch.no_grad():
+        expected = reference.eval()(batches[-1][0])
+    for r in results:
+        torch.testing.assert_close(r.result["evaluated"], expected)
+
+
+def _trained(zoo_name: str, params: dict) -> torch.nn.Module:
+    """The staged zoo model holding the reference's trained parameters."""
+    make, _ = STAGED[zoo_name]
+    reference = make(STAGES)
+    reference.load_state_dict({**reference.state_dict(), **params})
+    return reference
 
 
 def _check_checkpoint(results: list, checkpoint: pathlib.Path) -> None:

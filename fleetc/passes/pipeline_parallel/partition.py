@@ -68,7 +68,7 @@ class StagePrograms:
 
     def __str__(self) -> str:
         parts = [f"== stage {self.stage}: {len(self.params)} parameter(s) =="]
-        for phase in PHASES:
+        for phase in [*PHASES, *(p for p in self.phases if p not in PHASES)]:  # sharding stage 3 adds "gather"
             parts.append(f"-- stage {self.stage} {phase} --\n{self.phases[phase]}")
         return "\n".join(parts)
 
@@ -88,8 +88,8 @@ class PipelinePlan:
     def describe(self) -> str:
         """The split in words; the same on every rank (what the ranks compare before the first step)."""
         lines = [f"pipeline: {len(self.stages)} stage(s), {self.microbatches} micro-batch(es)"]
-        # under sharding the optimizer Programs differ per rank (each updates what it owns): not counted then
-        counted = ("backward_input", "backward_weight") + (("optimizer",) if self.sharding else ())
+        # under sharding the optimizer (and stage 3's gather) Programs differ per rank: not counted then
+        counted = ("backward_input", "backward_weight") + (("optimizer", "gather") if self.sharding else ())
         for s, stage in enumerate(self.stages):
             ops = sum(p.num_ops() for name, p in stage.phases.items() if name not in counted)
             lines.append(f"  stage {s}: {ops} ops{' before the optimizer' if self.sharding else ''}, "

@@ -13,9 +13,10 @@ Under AMP each rank unscales and checks only the gradients it keeps, and `found_
 Stage 3: also the parameters, gathered where they are used (passes/sharding/param_sharding.py); no gather
 after the update. By default each parameter bucket is split evenly and a rank keeps a flat piece of it
 (flat_params.py), where stage 2's flat buckets apply; otherwise it owns whole parameters.
-Under a pipeline (stages 1 and 2) the pass leaves the whole Program alone and records the stage in
+Under a pipeline the pass leaves the whole Program alone and records the stage in
 `metadata["sharding"]["per_stage"]`: the pipeline split then runs this rewrite on each stage's optimizer
-Program, over that stage's sharding group (passes/pipeline_parallel/sharded_stages.py). Stage 3 is refused there.
+Program, over that stage's sharding group (passes/pipeline_parallel/sharded_stages.py); stage 3 there keeps the
+stage's parameters as flat pieces, gathered once per step (passes/pipeline_parallel/stage3.py).
 
 The trainer stamps `metadata["sharding"]` (degree, this rank's index in its sharding group, the group
 partitions; the pass adds the parameters it owns); runs only there. Ownership: passes/sharding/plan.py.
@@ -73,6 +74,7 @@ RS_WAIT = "fleetc.c_sharding_reduce_scatter_wait"
 SHARD_VIEWS = "fleetc.shard_views"
 FOUND_INF_MAX = "fleetc.c_sharding_found_inf_max"
 CHECK_FINITE = "fleetc.check_finite_and_unscale"
+CLIP_OPS = ("fleetc.clip_by", "fleetc.squared_global_norm")  # passes/optimizers/clip.py's
 GROUP = "sharding"
 DP_GROUP = "sharding_dp"
 
@@ -118,6 +120,8 @@ class Sharding:
         stage = config.sharding_configs.stage
         if not meta.get("per_stage") and pipelined(program, config):
             return self._defer_to_pipeline_stages(program, meta, config, report)
+        if stage == 3 and meta.get("per_stage"):  # a pipeline stage's optimizer Program
+            return self._pipeline_stage_3(program, meta, updates, report)
         if stage == 3 and config.amp and config.amp_configs.use_pure_fp16:
             raise PassStrategyError("sharding_configs.stage 3 with amp_configs.use_pure_fp16 is not supported yet: "
                                     "the ranks' low-precision parameters and float32 master weights go out of step "
@@ -262,13 +266,60 @@ class Sharding:
                                   report: PassReport) -> tuple[Program, PassReport]:
         """Sharding × pipeline: leave the whole Program to the split, which shards each stage's optimizer Program."""
         stage = config.sharding_configs.stage
-        if stage == 3:
-            raise PassStrategyError("sharding_configs.stage 3 with pipeline is not supported yet: a stage's "
-                                    "parameters would have to be gathered for every micro-batch's forward and "
-                                    "backward; use sharding_configs.stage 1 or 2 with strategy.pipeline")
+        clipped = any(op.type.startswith(CLIP_OPS) for op in program.global_block.ops)
+        refused = [(config.amp, "amp"), (config.gradient_merge, "gradient_merge"), (clipped, "grad_clip")]
+        for name in [name for on, name in refused if on and stage == 3]:
+            raise PassStrategyError(f"sharding_configs.stage 3 with strategy.pipeline and {name} is not supported "
+                                    "yet; use sharding_configs.stage 2 with it")
         meta["per_stage"] = {"stage": stage, "segment_broadcast_MB": config.sharding_configs.segment_broadcast_MB}
         report.notes.append(f"pipeline: stage {stage} over {meta['degree']} ranks runs on each pipeline stage's "
-                            "optimizer Program, over that stage's sharding group (see pipeline_split)")
+                            "optimizer Program, over that stage's sharding group (see pipeline_split)"
+                            + ("; each stage's parameters are held as flat pieces between steps and gathered once "
+                               "per step, before the stage's first micro-batch forward, by its gather Program"
+                               if stage == 3 else ""))
+        report.changed = True
+        return program, report
+
+    def _pipeline_stage_3(self, program: Program, meta: dict, updates: dict[int, list[Op]],
+                          report: PassReport) -> tuple[Program, PassReport]:
+        """Stage 3 on a pipeline stage's optimizer Program: stage 2's flat buckets (the stage's averaging bucket
+        split evenly), but no gather after the update: this rank's Var of each parameter is its piece (or nothing),
+        which it keeps between steps; the stage's gather Program (sharded_stages.py) makes them whole each step."""
+        degree, rank = meta["degree"], meta["rank"]
+        params = list(dict.fromkeys(op.attrs["param"] for ops in updates.values() for op in ops))
+        sizes = {p: var_numel(program.var(p)) for p in params}
+        buckets = gradient_buckets(program)
+        refusal = flat_refusal(program, updates, buckets, params)
+        if refusal is not None:
+            raise PassStrategyError(f"sharding_configs.stage 3 with pipeline: {refusal}; a pipeline stage's "
+                                    "parameters are held as flat pieces only; use sharding_configs.stage 2")
+        flat = [FlatBucket.of(bucket, sizes, degree) for bucket in buckets]
+        pieces, partial = rank_pieces(flat, rank), partial_pieces(flat, rank)
+        dropped = set(params) - pieces.keys()
+        for block_idx in updates:
+            self._shard_updates(program, program.blocks[block_idx], dropped, set(params), None, report)
+        narrow_updates(program, updates, partial, report)
+        layouts = {bucket.names: bucket for bucket in flat}
+        self._reduce_scatter(program, lambda names: flat_layout(layouts[tuple(names)], names, rank, degree),
+                             dropped, meta, report)
+        for name, (lo, hi) in partial.items():  # this rank's Var of a parameter it holds part of: the flat piece
+            program.var(name).shape = (hi - lo,)
+        for _, op in program.walk_ops():
+            if dropped.intersection(op.inputs):
+                raise StrategyError(f"sharding_configs.stage 3 with pipeline: op {op.name!r} ({op.type}) reads "
+                                    f"parameter {min(dropped.intersection(op.inputs))!r}, which this rank does not "
+                                    "hold; use sharding_configs.stage 2")
+        for name in dropped:
+            program.global_block.vars.pop(name, None)
+        held = sum(hi - lo for lo, hi in pieces.values())
+        meta.update(param_layout="flat", param_buckets=[list(bucket.names) for bucket in flat],
+                    param_pieces={name: list(piece) for name, piece in pieces.items()},
+                    owned=[p for p in params if p in pieces])
+        program.metadata.setdefault("collective_groups", {}).update(meta["groups"])
+        report.notes.append(f"stage 3 of a pipeline stage, {degree} ranks, its flat buckets split evenly: this rank "
+                            f"(index {rank} in its sharding group) holds {held} of {sum(sizes.values())} elements, "
+                            f"pieces of {len(pieces)} of {len(params)} parameters, between steps")
+        report.stats["owned_params"] = len(meta["owned"])
         report.changed = True
         return program, report
 

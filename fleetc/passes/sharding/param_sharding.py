@@ -111,8 +111,8 @@ def shard_parameters(program: Program, params: set[str], plan: GatherPlan, dropp
         renames: dict[str, str] = {}
         for gather in plan(order):
             at = min(first_use[p] for p in gather.names if p in first_use)
-            start, wait = _gather(program, block, gather, [p for p in gather.names if p in first_use], suffix, role,
-                                  renames, report)
+            start, wait = gather_bucket(program, block, gather, [p for p in gather.names if p in first_use], suffix,
+                                        role, renames, report)
             # prefetch: issued right after the previous bucket's views, so it overlaps that bucket's compute (the
             # backward's first bucket: right after the forward's last, overlapping it, the loss and the first grads)
             (previous_wait if previous_wait is not None else inserts.setdefault(at, [])).append(start)
@@ -163,7 +163,7 @@ def _replay(program: Program, block: Block, name: str, chains: dict[str, Op], re
     return [*ops, copy]
 
 
-def _gather(program: Program, block: Block, gather: Gather, used: list[str], suffix: str, role: OpRole,
+def gather_bucket(program: Program, block: Block, gather: Gather, used: list[str], suffix: str, role: OpRole,
             renames: dict[str, str], report: PassReport) -> tuple[Op, list[Op]]:
     """The ops gathering one bucket: the start, and the wait plus the views of the `used` parameters this rank does
     not hold whole."""

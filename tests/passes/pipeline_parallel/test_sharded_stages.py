@@ -1,29 +1,39 @@
 """Sharding × pipeline at the Program level (no processes): the sharding pass leaves the whole Program to the split,
-which shards each stage's optimizer Program over the stage's sharding group; stage 3 is refused by name. The numbers
+which shards each stage's optimizer Program over the stage's sharding group; stage 3 also keeps each stage's
+parameters as pieces, gathered by the stage's gather Program. The numbers
 are checked on 4 gloo processes in tests/fleet/test_sharded_pipeline.py."""
 from __future__ import annotations
+
+import math
+import re
 
 import pytest
 import torch
 from helpers.pipeline import staged_gpt_program
 
+import fleetc
 from fleetc.comm.mesh import ProcessMesh
 from fleetc.errors import PassStrategyError
 from fleetc.fleet.trainer import sharding_metadata
-from fleetc.ir.program import OpRole
+from fleetc.ir.program import OpRole, Program
 from fleetc.passes.data_parallel import InsertAllreduce
 from fleetc.passes.data_parallel.common import START
+from fleetc.passes.optimizers.clip import GradientClip
 from fleetc.passes.pipeline_parallel.split import PipelineSplit, pipeline_plan
 from fleetc.passes.sharding import Sharding
 from fleetc.passes.sharding.optimizer_sharding import GATHER, RS_START
+from fleetc.passes.sharding.param_sharding import GATHER_START, GATHER_WAIT
 
 MESH = ProcessMesh(pp=2, sharding=2)
 
 
-def _split(stage: int, rank: int, mesh: ProcessMesh = MESH):
-    """The GPT's training Program through the passes as rank `rank` of `mesh` compiles it: (program, plan, sharding
-    pass report)."""
-    program, config = staged_gpt_program(torch.optim.Adam, sharding=True, sharding_configs={"stage": stage})
+def _split(stage: int, rank: int, mesh: ProcessMesh = MESH, fields: dict | None = None, clip=None):
+    """The GPT's training Program through the passes as rank `rank` of `mesh` compiles it (with the strategy's
+    `fields` also set, the gradients clipped by `clip`): (program, plan, sharding pass report)."""
+    program, config = staged_gpt_program(torch.optim.Adam, sharding=True, sharding_configs={"stage": stage},
+                                         **(fields or {}))
+    if clip is not None:
+        program, _ = GradientClip(clip).run(program, config)
     program.metadata["data_parallel"] = {"world_size": mesh.world_size // mesh.pp,
                                          "groups": mesh.groups("dp", "sharding")}
     program.metadata["sharding"] = sharding_metadata(mesh, rank)
@@ -73,19 +83,73 @@ def test_each_stage_updates_only_what_its_sharding_rank_owns(stage):
             assert types.index("fleetc.pipeline_shared_sum") < types.index(RS_START if stage == 2 else START)
 
 
-def test_stage_3_under_pipeline_is_refused_by_name():
-    with pytest.raises(PassStrategyError, match="sharding_configs.stage 3 with pipeline is not supported"):
-        _split(3, 0)
+def test_stage_3_holds_pieces_of_each_stage_and_gathers_them_once_per_step():
+    """Stage 3: a stage's optimizer Program reduce-scatters and updates this rank's pieces, with no gather after the
+    update; the parameter Vars there are the pieces, which cover each parameter once over the sharding group; the
+    stage's gather Program all-gathers every bucket (all issued before the first wait) into the whole parameters
+    the forward and backward read."""
+    runs = [_split(3, MESH.rank(sharding=i)) for i in range(2)]
+    assert runs[0][1].describe() == runs[1][1].describe()
+    assert "sharding stage 3: each of a stage's 2 sharding ranks holds a flat piece" in runs[0][1].describe()
+    for s in range(2):
+        covered: dict[str, int] = {}
+        for program, plan, _ in runs:
+            stage = plan.stages[s]
+            optimizer, gather = stage.phases["optimizer"], stage.phases["gather"]
+            types = [op.type for op in optimizer.global_block.ops]
+            assert RS_START in types and GATHER not in types and GATHER_START not in types
+            pieces = program.metadata["sharding"]["stage_layouts"][s]["param_pieces"]
+            for name in stage.params:
+                lo, hi = pieces.get(name, (0, 0))
+                covered[name] = covered.get(name, 0) + hi - lo
+                held = optimizer.find_var(name)
+                assert (held is None) == (name not in pieces)  # the Var of a parameter it holds nothing of: gone
+                assert held is None or math.prod(held.shape) == hi - lo
+                assert (gather.find_var(name) is None) == (name not in pieces)
+            types = [op.type for op in gather.global_block.ops]
+            issued = [i for i, kind in enumerate(types) if kind == GATHER_START]
+            assert issued and max(issued) < types.index(GATHER_WAIT)
+            read = {v.name for phase in ("forward", "backward") for v in stage.phases[phase].persistables()}
+            assert set(gather.fetches) == read & set(stage.params)  # every parameter the compute reads, whole
+        for name, elements in covered.items():  # the two ranks' pieces: the whole parameter, once
+            assert elements == math.prod(_whole_shape(runs[0][1].stages[s], name)), name
+        # the gathered stage, in flight through the step's compute: its float32 parameters, each bucket padded to a
+        # multiple of the 2 ranks
+        in_flight = int(re.search(rf"stage {s} (\d+)", runs[0][1].describe()).group(1))
+        buckets = len(runs[0][0].metadata["sharding"]["stage_layouts"][s]["param_buckets"])
+        assert 4 * sum(covered.values()) <= in_flight <= 4 * (sum(covered.values()) + buckets)
 
 
-def test_with_data_parallel_replicas_the_shards_are_averaged_over_the_dp_axis():
-    """dp=2 × pp=2 × sharding=2 (8 ranks, Program level only): a stage's replicas are 4 ranks; stage 2 reduce-scatters
-    over the 2-rank sharding group, then sums the shard over the dp axis."""
+def _whole_shape(stage, name: str) -> tuple:
+    """The shape of parameter `name` as the stage's forward or backward reads it (whole)."""
+    for phase in ("forward", "backward"):
+        var = stage.phases[phase].find_var(name)
+        if var is not None:
+            return var.shape
+    raise AssertionError(name)
+
+
+@pytest.mark.parametrize("fields, clip, named", [
+    ({"amp": True}, None, "amp"),
+    ({"gradient_merge": True, "gradient_merge_configs": {"k_steps": 2}}, None, "gradient_merge"),
+    ({}, fleetc.ClipGradByValue(0.1), "grad_clip"), ({}, fleetc.ClipGradByGlobalNorm(0.1), "grad_clip")])
+def test_stage_3_under_pipeline_refuses_what_it_does_not_build_by_name(fields, clip, named):
+    with pytest.raises(PassStrategyError, match=f"stage 3 with strategy.pipeline and {named} is not supported"):
+        _split(3, 0, fields=fields, clip=clip)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_with_data_parallel_replicas_the_shards_are_averaged_over_the_dp_axis(stage):
+    """dp=2 × pp=2 × sharding=2 (8 ranks, Program level only): a stage's replicas are 4 ranks; stages 2 and 3
+    reduce-scatter over the 2-rank sharding group, then sum the shard over the dp axis; stage 3 gathers the
+    parameters over the sharding group only."""
     mesh = ProcessMesh(dp=2, pp=2, sharding=2)
-    program, plan, _ = _split(2, mesh.rank(dp=1, pp=1, sharding=1), mesh)
+    program, plan, _ = _split(stage, mesh.rank(dp=1, pp=1, sharding=1), mesh)
     groups = program.metadata["collective_groups"]
     assert groups["dp:0"] == mesh.groups("dp", "sharding") and groups["sharding"] == mesh.groups("sharding")
     assert groups["sharding_dp"] == mesh.groups("dp")
-    for stage in plan.stages:
-        scatter = next(op for op in stage.phases["optimizer"].global_block.ops if op.type == RS_START)
+    for chunk in plan.stages:
+        scatter = next(op for op in chunk.phases["optimizer"].global_block.ops if op.type == RS_START)
         assert scatter.args[3:5] == ("sharding", "sharding_dp")
+        gathers = [op for op in chunk.phases.get("gather", Program()).global_block.ops if op.type == GATHER_START]
+        assert bool(gathers) == (stage == 3) and all(op.args[4] == "sharding" for op in gathers)
