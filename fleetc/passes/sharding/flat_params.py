@@ -20,7 +20,7 @@ from fleetc.passes.base import PassReport
 from fleetc.passes.data_parallel.allreduce import allreduce_ops
 from fleetc.passes.data_parallel.bucketing import MB, plan_buckets
 from fleetc.passes.data_parallel.common import ALLOC, START, WAIT, var_numel
-from fleetc.passes.sharding.flat_sharding import flat_refusal
+from fleetc.passes.sharding.flat_sharding import _narrow_gradient, flat_refusal
 from fleetc.passes.sharding.param_sharding import Gather, GatherPlan
 from fleetc.passes.sharding.plan import FlatBucket
 
@@ -146,7 +146,7 @@ def narrow_updates(program: Program, updates: dict[int, list[Op]], partial: dict
             param = op.attrs["param"]
             lo, hi = partial[param]
             whole = tuple(program.var(param).shape)
-            program.var(param + GRAD).shape = (hi - lo,)
+            _narrow_gradient(program, param + GRAD, hi - lo)  # and what AMP derives from it (use_pure_fp16's unscaling)
             for name in op.inputs:
                 state = program.find_var(name)
                 if state is not None and state.kind is VarKind.OPTIMIZER_STATE and \
