@@ -20,7 +20,7 @@ from zoo import OPTIMIZERS, ZOO
 
 import fleetc
 from fleet.spawn import assert_all_ok, spawn
-from fleet.workers import global_batches, make_model, shard
+from fleet.workers import global_batches, make_model, make_strategy, shard
 from fleet.test_sharding import PURE_BF16, check_sharding, resume_in_one_process, sharded
 from fleetc.fleet import inference
 from fleetc.fleet.sharded_params import FlatShardedParameters
@@ -218,3 +218,39 @@ def test_pure_low_precision_stages_equal_data_parallel_and_hold_their_pieces(tmp
             assert sum(held) == runs[0][i]["memory"]["parameters"] and max(held) < sum(held), held
             assert all("params_split" in rank[i]["report"]["sharding"] for rank in runs)
             assert all(rank[i]["memory"]["gathered_in_flight_bytes"] > 0 for rank in runs)
+
+
+@pytest.mark.slow
+def test_pure_low_precision_stage_3_checkpoint_resumes_on_two_ranks_and_in_one_process(tmp_path):
+    """Stage 3 × use_pure_fp16 written by 2 ranks (each its pieces of the bfloat16 parameters, float32 master
+    weights and moments): 2 ranks resume it bit for bit; one process loads the whole state (every piece joined:
+    master weights and moments equal the ranks' pieces laid end to end, the bfloat16 parameters the gathered ones)
+    and trains the third step on the full batch within bfloat16 tolerance of the ranks."""
+    checkpoint = str(tmp_path / "ckpt")
+    strategy = dict(PURE_BF16, **sharded(3))
+    # loaded before the first step: after it the parameters are bfloat16 and the float32 masters are refused
+    results = spawn(2, "checkpoint_round_trip", {"strategy": strategy, "save": checkpoint, "load": checkpoint},
+                    tmp_path / "ranks", deadline_s=180, module="fleet.sharding_workers")
+    assert_all_ok(results)
+    ranks = [result.result for result in results]
+    for rank in ranks:
+        for name, value in ranks[0]["continued"].items():
+            assert torch.equal(rank["resumed"][name], value), name
+    torch.manual_seed(5)
+    model = ZOO["mlp"].make_model()
+    trainer = fleetc.compile(model, make_strategy(PURE_BF16), optimizer=OPTIMIZERS["adam"](model.parameters()),
+                             loss_fn=ZOO["mlp"].loss_fn)
+    trainer.load_checkpoint(checkpoint)
+    for name, value in ranks[0]["saved"].items():
+        assert torch.equal(model.state_dict()[name].to(value.dtype), value), name
+    named = dict(model.named_parameters())
+    for name, param in named.items():
+        state = trainer.optimizer.state[param]
+        for key in ("master_weight", "exp_avg", "exp_avg_sq"):
+            pieces = sorted((rank["saved_pieces"][name][0], rank["saved_state"][name][key]) for rank in ranks
+                            if name in rank["saved_pieces"])
+            joined = torch.cat([piece.reshape(-1) for _, piece in pieces])
+            assert state[key].dtype == torch.float32 and torch.equal(state[key].reshape(-1), joined), (name, key)
+    trainer.step(*global_batches("mlp", 3)[2])
+    for name, value in ranks[0]["continued"].items():
+        torch.testing.assert_close(model.state_dict()[name].float(), value.float(), rtol=2e-2, atol=1e-2)
