@@ -21,7 +21,7 @@ from zoo import OPTIMIZERS, ZOO
 import fleetc
 from fleet.spawn import assert_all_ok, spawn
 from fleet.workers import global_batches, make_model, make_strategy, shard
-from fleet.test_sharding import PURE_BF16, check_sharding, resume_in_one_process, sharded
+from fleet.test_sharding import PURE_BF16, check_sharding, clipped, resume_in_one_process, sharded
 from fleetc.fleet import inference
 from fleetc.fleet.sharded_params import FlatShardedParameters
 
@@ -254,3 +254,20 @@ def test_pure_low_precision_stage_3_checkpoint_resumes_on_two_ranks_and_in_one_p
     trainer.step(*global_batches("mlp", 3)[2])
     for name, value in ranks[0]["continued"].items():
         torch.testing.assert_close(model.state_dict()[name].float(), value.float(), rtol=2e-2, atol=1e-2)
+
+
+@pytest.mark.slow
+def test_pure_low_precision_stage_3_with_whole_parameter_ownership_equals_data_parallel(tmp_path):
+    """ClipGradByNorm reads whole gradients, so stage 3 owns whole parameters (ShardedParameters): a rank's module
+    holds the parameters it does not own empty, but in bfloat16 too, so the whole-parameter gathers of the two
+    ranks agree. Trains bit for bit as use_pure_fp16 data parallel does."""
+    configs = [clipped(dict(PURE_BF16, **extra), clip=("norm", 0.05)) for extra in ({}, sharded(3))]
+    results = spawn(2, "train_configs", {"configs": configs}, tmp_path, deadline_s=180,
+                    module="fleet.optimizer_workers")
+    assert_all_ok(results)
+    for result in results:
+        plain, stage_3 = result.result
+        assert "params_split" not in stage_3["stats"]["sharding"]  # whole parameters
+        assert stage_3["stats"]["sharding"]["param_gather_buckets"] == 2
+        for name, value in plain["state"].items():
+            assert value.dtype == torch.bfloat16 and torch.equal(stage_3["state"][name], value), name
