@@ -5,8 +5,8 @@ After the training Program is compiled, each parameter keeps only what this rank
 ownership (`ShardedParameters`) all of it or nothing, in the dtype the Programs declare for it (`dtypes`: under
 use_pure_fp16 low precision, also for a parameter this rank holds nothing of, whose Var its Programs drop, so no
 binding converts it; the ranks' whole copies then agree in dtype and so do their gathers). The Parameter objects
-stay, so the module's structure and the optimizer's references do not change. The Programs gather them where they are used
-(passes/sharding/param_sharding.py). For whatever
+stay, so the module's structure and the optimizer's references do not change. The Programs gather them where
+they are used (passes/sharding/param_sharding.py). For whatever
 needs every parameter whole (full_state_dict, checkpoints) `whole_parameters` gathers them from their owners
 for the duration of a `with` block, then releases them again.
 """

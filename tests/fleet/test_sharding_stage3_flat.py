@@ -4,9 +4,9 @@ Each rank holds only its even piece of every parameter bucket, with the gradient
 that piece; training matches eager PyTorch accumulating over the same shards of the batch (losses and every
 parameter, several steps; test_sharding.py's check), per-rank state bytes are within 10% of 16Ψ/N (Adam) and
 12Ψ/N (SGD with momentum), `full_state_dict()` is whole on every rank, evaluation works, and checkpoints reshard
-4 → 2 and 4 → 1 (2 → 2 and 2 → 1: test_sharding.py's round trip, under stage 3 flat too). Under use_pure_fp16 each
-rank holds its piece of the bfloat16 parameters, of the float32 master weights and of the moments, and stages 1, 2
-and 3 train bit for bit as unsharded use_pure_fp16 data parallel does.
+4 → 2 and 4 → 1 (2 → 2 and 2 → 1: test_sharding.py's round trip, under stage 3 flat too). Under use_pure_fp16
+each rank holds its piece of the bfloat16 parameters, of the float32 master weights and of the moments, and
+stages 1, 2 and 3 train bit for bit as unsharded use_pure_fp16 data parallel does.
 """
 from __future__ import annotations
 
@@ -20,8 +20,14 @@ from zoo import OPTIMIZERS, ZOO
 
 import fleetc
 from fleet.spawn import assert_all_ok, spawn
+from fleet.test_sharding import (
+    PURE_BF16,
+    check_sharding,
+    clipped,
+    resume_in_one_process,
+    sharded,
+)
 from fleet.workers import global_batches, make_model, make_strategy, shard
-from fleet.test_sharding import PURE_BF16, check_sharding, clipped, resume_in_one_process, sharded
 from fleetc.fleet import inference
 from fleetc.fleet.sharded_params import FlatShardedParameters
 
@@ -176,11 +182,12 @@ def test_export_refuses_flat_pieces_by_name(tmp_path):
 @pytest.mark.slow
 def test_pure_low_precision_stages_equal_data_parallel_and_hold_their_pieces(tmp_path):
     """use_pure_fp16 (bfloat16): every stage trains bit for bit as unsharded data parallel (losses, every parameter,
-    evaluation), which is within bfloat16 tolerance of eager use_pure_fp16 (`pure_low_precision_reference`). Stage 3 holds bfloat16 pieces, whole when
-    gathered (full_state_dict). Per-rank bytes against the table's use_pure_fp16 row: parameters and optimizer state
-    as the row says; gradients are kept in float32 (averaged as data parallel averages them), 4 bytes each where
-    the row counts 2, so the totals are within 10% of the row with 4-byte gradients (`formula_bytes_as_kept`), and
-    above the row itself by exactly the gradients' extra 2 bytes (sharding_memory.py)."""
+    evaluation), which is within bfloat16 tolerance of eager use_pure_fp16 (`pure_low_precision_reference`).
+    Stage 3 holds bfloat16 pieces, whole when gathered (full_state_dict). Per-rank bytes against the table's
+    use_pure_fp16 row: parameters and optimizer state as the row says; gradients are kept in float32 (averaged as
+    data parallel averages them), 4 bytes each where the row counts 2, so the totals are within 10% of the row with
+    4-byte gradients (`formula_bytes_as_kept`), and above the row itself by exactly the gradients' extra 2 bytes
+    (sharding_memory.py). The row itself is missed: 12.5% over at stage 3."""
     results = spawn(2, "train_sharded", {"configs": PURE_CONFIGS}, tmp_path, deadline_s=400,
                     module="fleet.sharding_workers")
     assert_all_ok(results)
