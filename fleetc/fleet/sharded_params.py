@@ -2,9 +2,11 @@
 
 After the training Program is compiled, each parameter keeps only what this rank holds of it: on flat buckets
 (`FlatShardedParameters`) its flat piece (1-D; empty where the rank holds none of it), under whole-parameter
-ownership (`ShardedParameters`) all of it or nothing. The Parameter objects stay, so the module's structure and
-the optimizer's references do not change. The Programs gather them where they are used
-(passes/sharding/param_sharding.py). For whatever
+ownership (`ShardedParameters`) all of it or nothing, in the dtype the Programs declare for it (`dtypes`: under
+use_pure_fp16 low precision, also for a parameter this rank holds nothing of, whose Var its Programs drop, so no
+binding converts it; the ranks' whole copies then agree in dtype and so do their gathers). The Parameter objects
+stay, so the module's structure and the optimizer's references do not change. The Programs gather them where
+they are used (passes/sharding/param_sharding.py). For whatever
 needs every parameter whole (full_state_dict, checkpoints) `whole_parameters` gathers them from their owners
 for the duration of a `with` block, then releases them again.
 """
@@ -27,9 +29,11 @@ GROUP = "sharding"
 class ShardedParameters:
     """Which of the module's parameters this rank owns (index `rank` in its sharding group) and their shapes."""
 
-    def __init__(self, model: nn.Module, owners: dict[str, int], rank: int, degree: int):
+    def __init__(self, model: nn.Module, owners: dict[str, int], rank: int, degree: int,
+                 dtypes: dict[str, str] | None = None):
         self.model, self.owners, self.rank, self.degree = model, owners, rank, degree
         self.shapes = {name: p.shape for name, p in model.named_parameters() if name in owners}
+        self.dtypes = declared_dtypes(model, dtypes)
 
     def layout(self) -> dict[str, Any]:
         """What a later Program of the model must follow (stamped into its `metadata["sharding"]`)."""
@@ -49,8 +53,8 @@ class ShardedParameters:
 
     def release(self) -> None:
         """Free the storage of every parameter another rank owns."""
-        for _, param in self.foreign():
-            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        for name, param in self.foreign():
+            param.data = torch.empty(0, dtype=self.dtypes[name], device=param.device)
 
     @contextmanager
     def placeholders(self) -> Iterator[None]:
@@ -86,9 +90,10 @@ class FlatShardedParameters:
     has a piece of (`pieces`); `buckets` lay the parameters out, as in the Programs."""
 
     def __init__(self, model: nn.Module, buckets: list[list[str]], pieces: dict[str, list[int]], rank: int,
-                 degree: int):
+                 degree: int, dtypes: dict[str, str] | None = None):
         self.model, self.rank, self.degree = model, rank, degree
         self.shapes = {name: p.shape for name, p in model.named_parameters()}
+        self.dtypes = declared_dtypes(model, dtypes)
         sizes = {name: shape.numel() for name, shape in self.shapes.items()}
         self.buckets = [FlatBucket.of(names, sizes, degree) for names in buckets]
         self.pieces = {name: (lo, hi) for name, (lo, hi) in pieces.items()}
@@ -108,7 +113,7 @@ class FlatShardedParameters:
         for name, param in self._sharded():
             lo, hi = self.pieces.get(name, (0, 0))
             if (lo, hi) != (0, self.shapes[name].numel()):
-                param.data = param.data.reshape(-1)[lo:hi].clone()
+                param.data = param.data.reshape(-1)[lo:hi].to(self.dtypes[name], copy=True)
 
     def _whole_shaped(self) -> None:
         """Every parameter whole-shaped, this rank's pieces in place, the rest uninitialized."""
@@ -175,10 +180,17 @@ def sharded_parameters(model: nn.Module, metadata: dict, chunks: list[int] | Non
                                      sharding["rank"], sharding["degree"])
     if sharding.get("param_layout") == "flat":
         return FlatShardedParameters(model, sharding["param_buckets"], sharding["param_pieces"], sharding["rank"],
-                                     sharding["degree"])
+                                     sharding["degree"], sharding.get("param_dtypes"))
     if "param_owners" not in sharding:
         return None
-    return ShardedParameters(model, sharding["param_owners"], sharding["rank"], sharding["degree"])
+    return ShardedParameters(model, sharding["param_owners"], sharding["rank"], sharding["degree"],
+                             sharding.get("param_dtypes"))
+
+
+def declared_dtypes(model: nn.Module, dtypes: dict[str, str] | None) -> dict[str, torch.dtype]:
+    """Parameter → the dtype its Programs declare (`dtypes`, by torch name), else the one it has now."""
+    dtypes = dtypes or {}
+    return {name: getattr(torch, dtypes[name]) if name in dtypes else p.dtype for name, p in model.named_parameters()}
 
 
 @contextmanager

@@ -85,6 +85,11 @@ def checkpoint_round_trip(rank: int, args: dict, out_dir: str) -> None:
         for batch in batches[:2]:
             trainer.step(*shard(batch, rank, world))
         trainer.save_checkpoint(args["save"])
+        out["saved"] = trainer.full_state_dict()
+        # what this rank held of the optimizer state when it saved (stage 3 flat: pieces, at `saved_pieces`)
+        out["saved_state"] = {name: {key: value.clone() for key, value in trainer.optimizer.state[p].items()}
+                              for name, p in model.named_parameters() if p in trainer.optimizer.state}
+        out["saved_pieces"] = trainer.program.metadata.get("sharding", {}).get("param_pieces")
         trainer.step(*shard(batches[2], rank, world))
         out["continued"] = trainer.full_state_dict()
     if args.get("load"):

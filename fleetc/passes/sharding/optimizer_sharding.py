@@ -122,13 +122,11 @@ class Sharding:
             return self._defer_to_pipeline_stages(program, meta, config, report)
         if stage == 3 and meta.get("per_stage"):  # a pipeline stage's optimizer Program
             return self._pipeline_stage_3(program, meta, updates, report)
-        if stage == 3 and config.amp and config.amp_configs.use_pure_fp16:
-            raise PassStrategyError("sharding_configs.stage 3 with amp_configs.use_pure_fp16 is not supported yet: "
-                                    "the ranks' low-precision parameters and float32 master weights go out of step "
-                                    "(a collective mismatch); use sharding_configs.stage 2, or AMP without "
-                                    "use_pure_fp16")
         if stage == 3:
             program.metadata.setdefault("collective_groups", {}).update(meta["groups"])
+            # every parameter's dtype as the Programs declare it (use_pure_fp16: low precision), those this rank
+            # holds nothing of and drops from its Program included: the module holds them in it too
+            meta["param_dtypes"] = {v.name: v.dtype for v in program.persistables() if v.kind is VarKind.PARAM}
             refusal = self._flat_stage_3_refusal(program, meta, updates)
             if refusal is None:
                 return self._flat_stage_3(program, meta, config, updates, report)

@@ -3,6 +3,7 @@ two (no processes; tests/fleet/test_sharding.py trains these against unsharded d
 from __future__ import annotations
 
 import pytest
+import torch
 from helpers.data_parallel import captured_program, run_data_parallel_passes
 
 import fleetc
@@ -14,6 +15,7 @@ from fleetc.passes.data_parallel.merged import update_block
 from fleetc.passes.sharding.clip_sharding import NORM_SUM
 from fleetc.passes.sharding.estimate import rank_plans
 from fleetc.passes.sharding.optimizer_sharding import FOUND_INF_MAX, RS_START, RS_WAIT
+from fleetc.passes.sharding.param_sharding import GATHER_START
 
 STAGE_2 = {"sharding": True, "sharding_configs": {"stage": 2, "sharding_degree": 2}}
 MERGE = {"gradient_merge": True, "gradient_merge_configs": {"k_steps": 2}}
@@ -84,12 +86,31 @@ def test_pure_low_precision_updates_pieces_of_the_averaged_gradients(mlp):
     assert update.args[0].name == "fc2.weight@master_weight" and tuple(final.var(update.args[1].name).shape) == (2811,)
 
 
-def test_stage_3_with_pure_low_precision_is_refused_by_name(mlp):
+def test_stage_3_with_pure_low_precision_holds_low_precision_pieces_and_float32_master_pieces(mlp):
+    """use_pure_fp16 under stage 3, rank 0 of 2: the gathers bring the bfloat16 parameters (not the master weights);
+    fc2.weight is cut at 1349 of 4096 (rank 0 holds fc1.* and that piece: 2048 + 64 + 1349 = 3461 elements), its
+    Var, master weight, moments, gradient piece and the unscaled piece are all 1349 elements, and the update reads
+    the unscaled piece of the averaged float32 gradient. Every parameter's declared dtype is stamped, those this
+    rank drops included: the module's copies of them must be bfloat16 too, or the ranks' gathers disagree in size
+    (tests/fleet/test_sharding_stage3_flat.py trains it against data parallel on 2 ranks)."""
     stamped = mlp.clone()
     stamped.metadata["sharding"] = sharding_metadata(ProcessMesh(sharding=2), 0)
-    with pytest.raises(fleetc.StrategyError, match="stage 3 with amp_configs.use_pure_fp16"):
-        run_data_parallel_passes(stamped, 2, sharding=True, sharding_configs={"stage": 3, "sharding_degree": 2},
-                                 **PURE_BF16)
+    final, history = run_data_parallel_passes(stamped, 2, sharding=True,
+                                              sharding_configs={"stage": 3, "sharding_degree": 2}, **PURE_BF16)
+    meta = final.metadata["sharding"]
+    assert meta["param_layout"] == "flat" and meta["param_pieces"]["fc2.weight"] == [0, 1349]
+    assert set(meta["param_dtypes"].values()) == {"bfloat16"} and len(meta["param_dtypes"]) == 6
+    assert final.find_var("out.weight") is None  # held by rank 1 only
+    gathers = [op for _, op in final.walk_ops() if op.type == GATHER_START]
+    assert len(gathers) == 2 and all(op.args[2] == torch.bfloat16 for op in gathers)
+    assert all("master" not in ref.name for op in gathers for ref in op.args[0])
+    update = next(op for _, op in final.walk_ops() if op.attrs.get("param") == "fc2.weight")
+    assert update.args[0].name == "fc2.weight@master_weight" and update.args[1].name.endswith("@UNSCALED")
+    for name in ("fc2.weight", "fc2.weight@master_weight", "fc2.weight@GRAD", update.args[1].name):
+        assert tuple(final.find_var(name, 1).shape) == (1349,), name
+    assert final.find_var("fc2.weight@master_weight").dtype == "float32"
+    assert final.metadata["state_pieces"]["fc2.weight@master_weight"] == [0, 1349]
+    assert history["sharding"].report.stats["found_inf_allreduces"] == 1
 
 
 def stage_3(segment_mb: float = 32.0) -> dict:
