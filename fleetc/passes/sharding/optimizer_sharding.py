@@ -296,7 +296,7 @@ class Sharding:
         dropped = set(params) - pieces.keys()
         for block_idx in updates:
             self._shard_updates(program, program.blocks[block_idx], dropped, set(params), None, report)
-        narrow_updates(program, updates, partial, report)
+        narrow_updates(program, updates, partial, update_gradients(program, params), report)
         layouts = {bucket.names: bucket for bucket in flat}
         self._reduce_scatter(program, lambda names: flat_layout(layouts[tuple(names)], names, rank, degree),
                              dropped, meta, report)
