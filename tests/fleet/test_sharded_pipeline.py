@@ -12,11 +12,11 @@ import pathlib
 
 import pytest
 import torch
-from helpers.pipeline import STAGED, fleet_reference
+from helpers.pipeline import STAGED, eager_reference_run, fleet_reference
 from zoo import OPTIMIZERS, ZOO
 
 import fleetc
-from fleet.spawn import spawn
+from fleet.spawn import spawn, start
 from fleetc.comm.mesh import ProcessMesh
 from fleetc.fleet.sharded_state import SHARD_FILE
 from fleetc.passes.data_parallel.common import START
@@ -26,6 +26,10 @@ from fleetc.runtime import checkpoint_commit
 pytestmark = pytest.mark.slow  # CI still runs them
 
 STEPS, MICROBATCHES, STAGES, SHARDS = 2, 2, 2, 2
+RESUMED = 2  # steps the other meshes take after loading the checkpoint
+# the other meshes that resume the pp=2 × sharding=2 checkpoint on 2 processes: (stages, sharding stage,
+# micro-batches per replica), each taking the global batch as the writer did
+RESHARDED = {"pp2": (2, None, SHARDS * MICROBATCHES), "sharding2": (1, 2, 1)}
 # (zoo model, sharding stage, global-norm clip, gradient merge k_steps): ClipGradByGlobalNorm's norm sums over the
 # sharding group (stage 2 keeps only owned gradients) and over the stages; gradient merge runs the sharded update
 # every k_steps steps
@@ -84,6 +88,7 @@ def test_sharded_stages_of_a_pipeline_match_eager(zoo_name, stage, clip_norm, k_
     torch.testing.assert_close(replica_losses.mean(0), torch.tensor(losses, dtype=replica_losses.dtype))
     if args["checkpoint"]:
         _check_checkpoint(results, tmp_path / "checkpoint")
+        _check_resharding(tmp_path / "checkpoint", tmp_path)
 
 
 def _check_checkpoint(results: list, checkpoint: pathlib.Path) -> None:
@@ -124,3 +129,43 @@ def _check_checkpoint(results: list, checkpoint: pathlib.Path) -> None:
         for name, value in r.result["resumed"].items():
             torch.testing.assert_close(value, continued[name],
                                        msg=lambda m, name=name, rank=r.rank: f"rank {rank} resumed {name}: {m}")
+
+
+def _check_resharding(checkpoint: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """Resharding: the checkpoint of pp=2 × sharding=2 (flat stage 2: Adam's moments in pieces, some cut between
+    two ranks) resumes on 2 processes as pp=2 without sharding, and as sharding stage 2 without a pipeline; each
+    continues RESUMED steps as the uninterrupted eager run does (losses, every parameter), then saves, and its
+    checkpoint holds the eager run's optimizer state (moments and step counts)."""
+    jobs = {name: start(2, "fleet_resume", {"model": "gpt", "mode": "1F1B", "batch": 4, "stages": stages,
+                                            "sharding_stage": stage, "microbatches": microbatches,
+                                            "load": str(checkpoint), "skip": STEPS, "steps": RESUMED,
+                                            "save": str(tmp_path / name / "checkpoint")},
+                        tmp_path / name, deadline_s=240, module="fleet.pipeline_workers")
+            for name, (stages, stage, microbatches) in RESHARDED.items()}  # both at once: 4 processes, as before
+    runs = {name: job.collect() for name, job in jobs.items()}
+    losses, model, optimizer = eager_reference_run("gpt", STAGES, SHARDS * MICROBATCHES, STEPS + RESUMED)
+    continued = dict(model.named_parameters())
+    for name, results in runs.items():
+        for r in results:
+            assert r.returncode == 0, f"{name} rank {r.rank}: {r.output[-3000:]}"
+        stages, stage, _ = RESHARDED[name]
+        assert results[0].result["mesh"] == str(ProcessMesh(pp=stages, sharding=2 // stages))
+        # one loss per pipeline; without one, each rank's is the mean over its half of the batch
+        rank_losses = torch.tensor([r.result["losses"] for r in results])
+        torch.testing.assert_close(rank_losses.mean(0), torch.tensor(losses[STEPS:]),
+                                   msg=lambda m, name=name: f"{name} losses: {m}")
+        held = {}
+        for r in results:
+            held.update(r.result["params"])
+            for key, value in r.result["params"].items():
+                torch.testing.assert_close(value, continued[key].detach(),
+                                           msg=lambda m, name=name, key=key, r=r: f"{name} rank {r.rank} {key}: {m}")
+        assert set(held) == set(continued)
+        saved = fleetc.read_checkpoint(str(tmp_path / name / "checkpoint"))["optimizer"]["state"]
+        expected = optimizer.state_dict()["state"]
+        assert sorted(saved) == sorted(expected)
+        for index, slots in expected.items():
+            assert sorted(saved[index]) == sorted(slots)
+            for key, value in slots.items():  # flat stage 2's pieces come back flattened
+                torch.testing.assert_close(saved[index][key].reshape(value.shape), value,
+                                           msg=lambda m, name=name, index=index, key=key: f"{name} {index} {key}: {m}")
