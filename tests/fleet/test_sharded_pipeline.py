@@ -148,8 +148,13 @@ def _check_resharding(checkpoint: pathlib.Path, tmp_path: pathlib.Path) -> None:
     for name, results in runs.items():
         for r in results:
             assert r.returncode == 0, f"{name} rank {r.rank}: {r.output[-3000:]}"
-        stages, stage, _ = RESHARDED[name]
+        stages = RESHARDED[name][0]
         assert results[0].result["mesh"] == str(ProcessMesh(pp=stages, sharding=2 // stages))
+        meta = checkpoint_commit.open_latest(tmp_path / name / "checkpoint", ()).meta  # its own layout
+        pipelined = stages > 1
+        assert len(meta.get("pipeline_parts", ())) == (2 if pipelined else 0)
+        assert len(meta.get("optimizer_shards", ())) == (0 if pipelined else 2)
+        assert bool(meta.get("optimizer_shard_pieces")) == (not pipelined)  # flat stage 2 re-split the moments
         # one loss per pipeline; without one, each rank's is the mean over its half of the batch
         rank_losses = torch.tensor([r.result["losses"] for r in results])
         torch.testing.assert_close(rank_losses.mean(0), torch.tensor(losses[STEPS:]),
