@@ -3,8 +3,9 @@ sharding group (ZeRO stage 1: owners update, parameters all-gathered; stage 2: t
 reduce-scatter). Every rank matches eager PyTorch accumulating over the same micro-batches of every replica; each
 rank holds optimizer state only for the parameters it owns. GPT ties its embeddings across the two stages: the
 tied gradient's sum over stages and the sharded update compose. The GPT run under stage 2 also checkpoints: each
-stage's part and each (stage, sharding rank)'s optimizer shard in one commit, resumed on the same mesh and in one
-process."""
+stage's part and each (stage, sharding rank)'s optimizer shard in one commit, resumed on the same mesh, in one
+process, and (resharding) on 2 processes as pp=2 alone and as flat stage 2 alone; with FLEETC_FULL=1 the latter's
+own checkpoint resumes as pp=2 × sharding=2 on 4."""
 from __future__ import annotations
 
 import os
