@@ -24,11 +24,34 @@ from torch import nn
 from fleetc.errors import CheckpointError
 from fleetc.ops.optimizer import MASTER_KEY
 from fleetc.runtime import checkpoint_commit, pipeline_checkpoint
+from fleetc.runtime.optimizer_shards import merge_optimizer_shards
 
 STATE_KEY = "fleetc_owned"
 STRATEGY_KEY = "strategy_state"
 RNG_KEY = "rng"
 FILES = ("model.pt", "optimizer.pt", "fleetc.pt")
+PARAMS_KEY = "optimizer_params"  # manifest meta: the model's name of each parameter the optimizer state numbers
+
+
+def parameter_names(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[str | None]:
+    """The model's name of each of the optimizer's parameters, in the order `optimizer.state_dict()` numbers them
+    (None: a tensor the model does not hold)."""
+    named = {id(p): name for name, p in model.named_parameters()}
+    return [named.get(id(p)) for group in optimizer.param_groups for p in group["params"]] if optimizer else []
+
+
+def check_parameter_names(saved: Any, names: list[str | None], where: str) -> None:
+    """CheckpointError unless the checkpoint numbered its optimizer state over parameters of the same names, in the
+    same order, as this optimizer does (torch matches them by position only, so another parameter set or order
+    would load into the wrong parameters). A checkpoint written before the names were recorded is not checked."""
+    if saved is None or saved == names:
+        return
+    if not isinstance(saved, list) or len(saved) != len(names):
+        raise CheckpointError(f"{where}: its optimizer state is over {len(saved) if isinstance(saved, list) else '?'}"
+                              f" parameters, this optimizer has {len(names)} (another model or parameter set?)")
+    index = next(i for i, (a, b) in enumerate(zip(saved, names)) if a != b)
+    raise CheckpointError(f"{where}: its optimizer state numbers {saved[index]!r} as parameter {index}, this "
+                          f"optimizer numbers {names[index]!r} so (another parameter set or order)")
 
 
 def strategy_state(config: Any) -> dict[str, Any]:
@@ -91,8 +114,9 @@ def _dtype_kind(tensor: torch.Tensor) -> str:
     return "floating point" if tensor.is_floating_point() else "complex" if tensor.is_complex() else "integer"
 
 
-def check_model_state(state: Any, model: nn.Module, where: str) -> None:
-    """CheckpointError unless `state` has exactly the model's keys, each with its shape and kind of dtype."""
+def check_model_state(state: Any, model: nn.Module, where: str, files: Mapping[str, str] | None = None) -> None:
+    """CheckpointError unless `state` has exactly the model's keys, each with its shape and kind of dtype. `files`:
+    the file each key was read from when not `where` (a pipeline stage's part), named in errors about it."""
     live = model.state_dict()
     if not isinstance(state, Mapping) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
                                                  for k, v in state.items()):
@@ -101,18 +125,21 @@ def check_model_state(state: Any, model: nn.Module, where: str) -> None:
     if missing or unexpected:
         raise CheckpointError(f"{where}: does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
     for name, tensor in state.items():
-        mine = live[name]
+        mine, at = live[name], (files or {}).get(name, where)
         if tensor.shape != mine.shape:
-            raise CheckpointError(f"{where}: {name!r} has shape {list(tensor.shape)}, the model's is "
+            raise CheckpointError(f"{at}: {name!r} has shape {list(tensor.shape)}, the model's is "
                                   f"{list(mine.shape)}")
         # Precision may differ (amp use_pure_fp16 saves low-precision weights; loading casts, as torch does).
         if _dtype_kind(tensor) != _dtype_kind(mine):
-            raise CheckpointError(f"{where}: {name!r} is {tensor.dtype}, the model's is {mine.dtype}")
+            raise CheckpointError(f"{at}: {name!r} is {tensor.dtype}, the model's is {mine.dtype}")
 
 
 def check_optimizer_state(state: Any, optimizer: torch.optim.Optimizer | None, saved_kind: str | None,
-                          where: str) -> None:
-    """CheckpointError unless `state` is a state_dict of the same kind of optimizer over the same parameters."""
+                          where: str, files: Mapping[Any, str] | None = None,
+                          describe: Callable[[Any], str] = "parameter {}".format) -> None:
+    """CheckpointError unless `state` is a state_dict of the same kind of optimizer over the same parameters.
+    `files`: the file each parameter's state was read from when not `where` (an optimizer shard, a pipeline part);
+    `describe(index)` names a parameter in errors."""
     if optimizer is None:
         if state:
             raise CheckpointError(f"{where}: holds optimizer state, but this trainer has no optimizer")
@@ -137,15 +164,16 @@ def check_optimizer_state(state: Any, optimizer: torch.optim.Optimizer | None, s
                                   f"{sorted(mine)} (a checkpoint of another kind of optimizer?)")
     params = [p for group in optimizer.param_groups for p in group["params"]]
     for index, slots in state["state"].items():
+        at = (files or {}).get(index, where)
         if not isinstance(index, int) or not 0 <= index < len(params) or not isinstance(slots, Mapping):
-            raise CheckpointError(f"{where}: state entry {index!r} names no parameter of this optimizer")
+            raise CheckpointError(f"{at}: state entry {index!r} names no parameter of this optimizer")
         for key, value in slots.items():
             param = params[index]
             if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
-                raise CheckpointError(f"{where}: state {key!r} of parameter {index} has shape {list(value.shape)}, "
+                raise CheckpointError(f"{at}: state {key!r} of {describe(index)} has shape {list(value.shape)}, "
                                       f"the parameter's is {list(param.shape)}")
             if key == MASTER_KEY and param.dtype != torch.float32:
-                raise CheckpointError(f"{where}: holds float32 master weights, but the parameters are already "
+                raise CheckpointError(f"{at}: holds float32 master weights, but the parameters are already "
                                       f"{param.dtype} (amp use_pure_fp16 converted them at the first step): load "
                                       "the checkpoint before the first step")
 
@@ -228,7 +256,7 @@ def write_checkpoint(staged: checkpoint_commit.StagedVersion, state: TrainerStat
         staged.write("optimizer.pt", optimizer)
         staged.write("fleetc.pt", owned_state_dict(state.owned, config, rng))
         meta = {"optimizer": type(state.optimizer).__name__ if state.optimizer is not None else None,
-                "strategy_state": strategy_state(config)}
+                "strategy_state": strategy_state(config), PARAMS_KEY: parameter_names(state.model, state.optimizer)}
         if optimizer_shards:
             meta["optimizer_shards"] = sorted(optimizer_shards)
             meta["optimizer_shard_params"] = {name: sorted(optimizer_shards[name]) for name in meta["optimizer_shards"]}
@@ -251,57 +279,57 @@ def _needed_shards(meta: Mapping[str, Any], wanted: set[int] | None) -> list[str
             if wanted is None or name not in held or wanted.intersection(held[name])]
 
 
-def _merge_shard(merged: dict, entries: Mapping, pieces: list[list[int]], shape_of: Callable[[int], tuple]) -> None:
-    """Add one optimizer shard file's entries to `merged`; an entry holding a piece of a parameter's state (elements
-    [lo, hi) of each flattened tensor) is joined with the other files' pieces into state of `shape_of(index)`."""
-    split = {index: (lo, hi) for index, lo, hi in pieces}
-    for index, slots in entries.items():
-        if index not in split:
-            merged[index] = slots
-            continue
-        lo, hi = split[index]
-        whole = merged.setdefault(index, {})
-        for key, value in slots.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                if key not in whole:
-                    whole[key] = value.new_zeros(shape_of(index))
-                whole[key].view(-1)[lo:hi] = value.reshape(-1)
-            else:
-                whole[key] = value
-
-
 def read_checkpoint(root: str) -> dict[str, Any]:
     """The checkpoint at `root` as plain state dicts, for use without a trainer: `{"model": ..., "optimizer": ...,
     "fleetc": ...}`, every file checked against the manifest and loaded with `weights_only=True`, the per-rank files
     of sharding and pipeline runs merged back (`model.load_state_dict(read_checkpoint(d)["model"])`; optimizer
     state saved in flat-bucket pieces comes back flattened, as there is no parameter to give its shape)."""
-    _, model_state, optimizer_state, owned_state, _ = _read(root)
+    _, model_state, optimizer_state, owned_state, _, _ = _read(root)
     return {"model": model_state, "optimizer": optimizer_state, "fleetc": owned_state}
 
 
-def _read(root: str, optimizer: torch.optim.Optimizer | None = None, wanted: set[int] | None = None
-          ) -> tuple[checkpoint_commit.CheckpointVersion, dict, dict, dict, dict[int, dict]]:
-    """The checkpoint's model, optimizer and fleetc state with every rank's files merged in, and the carried
-    gradient-merge state of a pipeline checkpoint. `optimizer` gives the shapes of state saved in pieces; `wanted`
-    as for load_checkpoint."""
+def _read(root: str, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+          wanted: set[int] | None = None
+          ) -> tuple[checkpoint_commit.CheckpointVersion, dict, dict, dict, dict[int, dict], dict[Any, str]]:
+    """The checkpoint's model, optimizer and fleetc state with every rank's files merged in, the carried
+    gradient-merge state of a pipeline checkpoint, and the file each parameter's optimizer state came from when
+    not optimizer.pt. Given the trainer's `model` and `optimizer`, the model state and the optimizer's parameter
+    names are checked before the optimizer shards are joined (the optimizer gives the shapes of state saved in
+    pieces); `wanted` as for load_checkpoint."""
     version = checkpoint_commit.open_latest(root, FILES)
     model_state, optimizer_state, owned_state = (version.read(name) for name in FILES)
+    merges, files = {}, {"model": {}, "optimizer": {}}
+    if version.meta.get(pipeline_checkpoint.PARTS_KEY):  # written one file per pipeline rank
+        where = f"{version.path}/fleetc.pt"
+        if not isinstance(owned_state, Mapping) or not isinstance(owned_state.get(STATE_KEY), dict) \
+                or not isinstance(model_state, dict) or not isinstance(optimizer_state, dict):
+            raise CheckpointError(f"{where}: the first rank's files of a pipeline checkpoint are not state dicts")
+        merges, files = pipeline_checkpoint.merge_parts(version, model_state, optimizer_state, owned_state[STATE_KEY])
+    if model is not None:
+        check_model_state(model_state, model, f"{version.path}/model.pt", files["model"])
+    names = parameter_names(model, optimizer) if model is not None else []
+    if optimizer is not None:
+        check_parameter_names(version.meta.get(PARAMS_KEY), names, f"{version.path}/optimizer.pt")
     pieces = version.meta.get("optimizer_shard_pieces", {})
     params = [p for group in optimizer.param_groups for p in group["params"]] if optimizer is not None else []
     sizes = {index: hi for split in pieces.values() for index, _, hi in split}  # the last piece ends the tensor
 
     def shape_of(index: int) -> tuple:
         return tuple(params[index].shape) if index < len(params) else (max(sizes.get(index, 0), 0),)
-    for shard in _needed_shards(version.meta, wanted):  # written one file per sharding rank
-        _merge_shard(optimizer_state["state"], version.read(shard), pieces.get(shard, ()), shape_of)
-    merges = {}
-    if version.meta.get(pipeline_checkpoint.PARTS_KEY):  # written one file per pipeline rank
-        where = f"{version.path}/fleetc.pt"
-        if not isinstance(owned_state, Mapping) or not isinstance(owned_state.get(STATE_KEY), dict) \
-                or not isinstance(model_state, dict) or not isinstance(optimizer_state, dict):
-            raise CheckpointError(f"{where}: the first rank's files of a pipeline checkpoint are not state dicts")
-        merges = pipeline_checkpoint.merge_parts(version, model_state, optimizer_state, owned_state[STATE_KEY])
-    return version, model_state, optimizer_state, owned_state, merges
+    shards = ((f"{version.path}/{shard}", version.read(shard), pieces.get(shard, ()))  # one file per sharding rank
+              for shard in _needed_shards(version.meta, wanted))
+    if version.meta.get("optimizer_shards"):
+        files["optimizer"].update(merge_optimizer_shards(optimizer_state["state"], shards, shape_of,
+                                                         describer(names), wanted))
+    return version, model_state, optimizer_state, owned_state, merges, files["optimizer"]
+
+
+def describer(names: list[str | None]) -> Callable[[Any], str]:
+    """Names a parameter in errors by its optimizer index and, when known, its name in the model."""
+    def describe(index: Any) -> str:
+        known = isinstance(index, int) and 0 <= index < len(names) and names[index] is not None
+        return f"parameter {index} ({names[index]!r})" if known else f"parameter {index!r}"
+    return describe
 
 
 def load_checkpoint(root: str, state: TrainerState, config: Any,
@@ -315,11 +343,11 @@ def load_checkpoint(root: str, state: TrainerState, config: Any,
     that is None)."""
     checked, problem = None, None
     try:
-        version, model_state, optimizer_state, owned_state, merges = _read(root, state.optimizer, wanted)
+        version, model_state, optimizer_state, owned_state, merges, files = _read(root, state.model,
+                                                                                 state.optimizer, wanted)
         where = {name: f"{version.path}/{name}" for name in FILES}
-        check_model_state(model_state, state.model, where["model.pt"])
         check_optimizer_state(optimizer_state, state.optimizer, version.meta.get("optimizer"),
-                              where["optimizer.pt"])
+                              where["optimizer.pt"], files, describer(parameter_names(state.model, state.optimizer)))
         check_owned_state(owned_state, state.owned, config, where["fleetc.pt"])
         if state.pipeline_merges is None and pipeline_checkpoint.mid_period(merges):
             raise CheckpointError(f"{version.path}: saved between gradient-merge updates by a pipeline, whose "

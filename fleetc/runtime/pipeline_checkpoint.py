@@ -40,9 +40,11 @@ def check_merge_state(merge: Any, where: str) -> None:
                               f"tensor}}}}, 'period_flags': [...]}}, got {type(merge).__name__}")
 
 
-def merge_parts(version: Any, model_state: dict, optimizer_state: dict, owned_entries: dict) -> dict[int, dict]:
+def merge_parts(version: Any, model_state: dict, optimizer_state: dict, owned_entries: dict
+                ) -> tuple[dict[int, dict], dict[str, dict[Any, str]]]:
     """Fold the version's part files (if any) into the model state_dict, the optimizer state_dict's `state` and the
-    fleetc-owned entries, in place; returns each pipeline rank's carried gradient-merge state by index."""
+    fleetc-owned entries, in place; returns each pipeline rank's carried gradient-merge state by index, and the
+    part file (path) each entry came from, by kind ("model", "optimizer", "owned"), for errors about it."""
     merges: dict[int, dict] = {}
     seen: dict[str, dict[Any, str]] = {kind: {} for kind in KINDS}
     for name in version.meta.get(PARTS_KEY, ()):
@@ -68,7 +70,8 @@ def merge_parts(version: Any, model_state: dict, optimizer_state: dict, owned_en
         if source not in model_state:
             raise CheckpointError(f"{version.path}: {alias!r} is tied to {source!r}, which no file holds")
         model_state[alias] = model_state[source]
-    return merges
+    return merges, {kind: {key: f"{version.path}/{name}" for key, name in entries.items()}
+                    for kind, entries in seen.items()}
 
 
 def mid_period(merges: Mapping[int, Mapping]) -> bool:

@@ -61,17 +61,7 @@ def fleet_train(rank: int, args: dict, out_dir: str) -> None:
     torch.manual_seed(rank)  # different on every rank: the trainer broadcasts rank 0's parameters
     vpp = args.get("vpp", 1)  # VPP: each process holds vpp of the model's device_guard stages
     model = make(stages * vpp)
-    strategy = fleetc.DistributedStrategy()
-    strategy.pipeline = True
-    strategy.pipeline_configs = {"micro_batch_size": args["batch"] // (replicas * args["microbatches"]),
-                                 "accumulate_steps": args["microbatches"], "schedule_mode": args["mode"],
-                                 "vpp_degree": vpp}
-    replica = rank // stages  # the mesh's rank order: dp, then pp (then sharding)
-    if args.get("sharding_stage"):  # every replica of a stage is in its sharding group
-        strategy.sharding = True
-        strategy.sharding_configs = {"stage": args["sharding_stage"], "sharding_degree": replicas}
-        coordinates = ProcessMesh(pp=stages, sharding=replicas).coordinates(rank)
-        replica = coordinates["sharding"]
+    strategy, replica = _strategy(rank, args, stages, replicas)
     if args.get("k_steps", 1) > 1:
         strategy.gradient_merge = True
         strategy.gradient_merge_configs = {"k_steps": args["k_steps"]}
@@ -108,6 +98,52 @@ def fleet_train(rank: int, args: dict, out_dir: str) -> None:
                 "eval_executor": eval_executor,
                 "skipped": trainer.report().skipped, "sharding": sharding, "held": held, "full": full,
                 "params": {n: named[n] for n in stage_params}},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+    fleet.barrier_worker()
+    fleet.stop_worker()
+
+
+def _strategy(rank: int, args: dict, stages: int, replicas: int) -> tuple[fleetc.DistributedStrategy, int]:
+    """The strategy of `stages` pipeline stages (1: no pipeline) whose replicas form the sharding group (stage
+    `args["sharding_stage"]`, when given; else they are data-parallel replicas), each pipeline taking the global
+    batch in `args["microbatches"]` micro-batches per replica; and this rank's replica index (mesh order: dp, then
+    pp, then sharding)."""
+    strategy = fleetc.DistributedStrategy()
+    if stages > 1:
+        strategy.pipeline = True
+        strategy.pipeline_configs = {"micro_batch_size": args["batch"] // (replicas * args["microbatches"]),
+                                     "accumulate_steps": args["microbatches"], "schedule_mode": args["mode"],
+                                     "vpp_degree": args.get("vpp", 1)}
+    if not args.get("sharding_stage"):
+        return strategy, rank // stages
+    strategy.sharding = True  # every replica of a stage is in its sharding group
+    strategy.sharding_configs = {"stage": args["sharding_stage"], "sharding_degree": replicas}
+    return strategy, ProcessMesh(pp=stages, sharding=replicas).coordinates(rank)["sharding"]
+
+
+def fleet_resume(rank: int, args: dict, out_dir: str) -> None:
+    """Resharding: a mesh of `stages` pipeline stages (1: none) × sharding (or replicas) loads the checkpoint `load`,
+    which another mesh wrote, and continues: `steps` more steps on the global batches after the first `skip`, each
+    replica fed its share; then saves its own checkpoint into `save`. Saves the losses, the mesh and the parameters
+    this rank's stages hold (every one without a pipeline)."""
+    fleet.init(is_collective=True)
+    stages = args["stages"]
+    replicas = dist.get_world_size() // stages
+    make, optimizer_name = STAGED[args["model"]]
+    torch.manual_seed(100 + rank)  # not the checkpoint's weights: the load must bring them
+    model = make(stages)
+    strategy, replica = _strategy(rank, args, stages, replicas)
+    opt = fleet.distributed_optimizer(OPTIMIZERS[optimizer_name](model.parameters()), strategy)
+    trainer = fleetc.compile(model, optimizer=opt, loss_fn=ZOO[args["model"]].loss_fn)
+    fleet.load_persistables(args["load"], trainer)
+    g = torch.Generator().manual_seed(1)
+    batches = [ZOO[args["model"]].make_batch(g)[0] for _ in range(args["skip"] + args["steps"])][args["skip"]:]
+    losses = [float(trainer.step(*(a.chunk(replicas)[replica] for a in batch))) for batch in batches]
+    pipe = trainer._last_train.pipeline
+    held = {n for s in pipe.chunks for n in pipe.plan.stages[s].params} if pipe is not None else None
+    params = {n: p.detach().clone() for n, p in model.named_parameters() if held is None or n in held}
+    fleet.save_persistables(args["save"], trainer)
+    torch.save({"losses": losses, "mesh": str(trainer.mesh), "params": params},
                os.path.join(out_dir, f"rank{rank}.pt"))
     fleet.barrier_worker()
     fleet.stop_worker()

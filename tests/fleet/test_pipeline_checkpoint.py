@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from helpers.pipeline import STAGED, fleet_reference
+from helpers.pipeline import SCALING_STATE, STAGED, fleet_reference
 from zoo import OPTIMIZERS, ZOO
 
 import fleetc
@@ -86,7 +86,8 @@ def test_stages_write_their_parts_and_the_job_resumes_from_them(tmp_path):
 def test_amp_loss_scaling_state_round_trips_through_the_stage_parts(tmp_path):
     """AMP with a scale that grows after every clean update: saved at an update boundary (after 4 steps, 2 updates),
     new processes with other weights resume with the same scale and counters on both stages, and the next steps
-    equal the uninterrupted run's, bit for bit."""
+    equal the uninterrupted run's, bit for bit. One process without a pipeline resumes the same scaling state:
+    after the same two steps its counters equal the uninterrupted pipeline's."""
     amp = {"init_loss_scaling": 1024.0, "incr_every_n_steps": 1}
     args = {**ARGS, "steps": 6, "amp_configs": amp, "saves": {"4": str(tmp_path / "boundary")}, "resume_after": 4}
     straight = _run("uninterrupted", args, tmp_path / "straight")
@@ -102,6 +103,16 @@ def test_amp_loss_scaling_state_round_trips_through_the_stage_parts(tmp_path):
             assert torch.equal(after.result["counters"][name], value), f"rank {after.rank} {name}"
         for name, value in after.result["params"].items():
             assert torch.equal(value, before.result["params"][name]), f"rank {after.rank} {name}"
+    strategy = fleetc.DistributedStrategy()  # another mesh: one process, no pipeline, the same scaling state
+    strategy.gradient_merge, strategy.gradient_merge_configs = True, {"k_steps": ARGS["k_steps"]}
+    strategy.amp, strategy.amp_configs = True, amp
+    _, trainer = _single_process_trainer(strategy)
+    trainer.load_checkpoint(str(tmp_path / "boundary"))
+    g = torch.Generator().manual_seed(1)
+    for batch in [ZOO["gpt"].make_batch(g)[0] for _ in range(args["steps"])][4:]:  # one more clean update
+        trainer.step(*batch)
+    for name in SCALING_STATE:
+        assert torch.equal(trainer.counters[name], straight[0].result["counters"][name]), f"one process {name}"
 
 
 @pytest.mark.skipif(not os.environ.get("FLEETC_FULL"), reason="4 processes on 2 cores: FLEETC_FULL=1 runs it; CI "

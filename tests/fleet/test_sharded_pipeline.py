@@ -3,8 +3,9 @@ sharding group (ZeRO stage 1: owners update, parameters all-gathered; stage 2: t
 reduce-scatter). Every rank matches eager PyTorch accumulating over the same micro-batches of every replica; each
 rank holds optimizer state only for the parameters it owns. GPT ties its embeddings across the two stages: the
 tied gradient's sum over stages and the sharded update compose. The GPT run under stage 2 also checkpoints: each
-stage's part and each (stage, sharding rank)'s optimizer shard in one commit, resumed on the same mesh and in one
-process."""
+stage's part and each (stage, sharding rank)'s optimizer shard in one commit, resumed on the same mesh, in one
+process, and (resharding) on 2 processes as pp=2 alone and as flat stage 2 alone; with FLEETC_FULL=1 the latter's
+own checkpoint resumes as pp=2 × sharding=2 on 4."""
 from __future__ import annotations
 
 import os
@@ -12,12 +13,13 @@ import pathlib
 
 import pytest
 import torch
-from helpers.pipeline import STAGED, fleet_reference
+from helpers.pipeline import STAGED, eager_reference_run, fleet_reference
 from zoo import OPTIMIZERS, ZOO
 
 import fleetc
-from fleet.spawn import spawn
+from fleet.spawn import spawn, start
 from fleetc.comm.mesh import ProcessMesh
+from fleetc.errors import CheckpointError
 from fleetc.fleet.sharded_state import SHARD_FILE
 from fleetc.passes.data_parallel.common import START
 from fleetc.passes.sharding.optimizer_sharding import GATHER, RS_START
@@ -28,6 +30,11 @@ from fleetc.runtime import checkpoint_commit
 pytestmark = pytest.mark.slow  # CI still runs them
 
 STEPS, MICROBATCHES, STAGES, SHARDS = 2, 2, 2, 2
+RESUMED = 2  # steps the other meshes take after loading the checkpoint
+# the meshes that resume a checkpoint another mesh wrote: (processes, pipeline stages, sharding stage, micro-batches
+# per replica), each taking the global batch as the writer did
+RESHARDED = {"pp2": (2, 2, None, SHARDS * MICROBATCHES), "sharding2": (2, 1, 2, 1),
+             "pp2_sharding2": (STAGES * SHARDS, STAGES, 2, MICROBATCHES)}
 # (zoo model, sharding stage, global-norm clip, gradient merge k_steps): ClipGradByGlobalNorm's norm sums over the
 # sharding group (stage 2 keeps only owned gradients) and over the stages; gradient merge runs the sharded update
 # every k_steps steps
@@ -78,6 +85,8 @@ def test_sharded_stages_of_a_pipeline_match_eager(zoo_name, stage, clip_norm, k_
     torch.testing.assert_close(replica_losses.mean(0), torch.tensor(losses, dtype=replica_losses.dtype))
     if args["checkpoint"]:
         _check_checkpoint(results, tmp_path / "checkpoint")
+        _check_resharding(tmp_path / "checkpoint", tmp_path)
+        _check_misfits(tmp_path / "checkpoint")
 
 
 def test_stage_3_of_a_pipeline_holds_pieces_and_matches_eager(tmp_path):
@@ -176,3 +185,77 @@ def _check_checkpoint(results: list, checkpoint: pathlib.Path) -> None:
         for name, value in r.result["resumed"].items():
             torch.testing.assert_close(value, continued[name],
                                        msg=lambda m, name=name, rank=r.rank: f"rank {rank} resumed {name}: {m}")
+
+
+def _check_resharding(checkpoint: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """Resharding: the checkpoint of pp=2 × sharding=2 (flat stage 2: Adam's moments in pieces, some cut between
+    two ranks) resumes on 2 processes as pp=2 without sharding, and as sharding stage 2 without a pipeline. With
+    FLEETC_FULL=1 the latter's own checkpoint (plain flat stage 2 on 2 ranks) resumes as pp=2 × sharding=2 on 4."""
+    jobs = {name: _resume(name, checkpoint, STEPS, tmp_path) for name in ("pp2", "sharding2")}
+    for name, job in jobs.items():  # both at once: 4 processes, as the writer ran
+        _check_resumed(name, job.collect(), STEPS, tmp_path)
+    if os.environ.get("FLEETC_FULL"):
+        skip = STEPS + RESUMED
+        _check_resumed("pp2_sharding2", _resume("pp2_sharding2", tmp_path / "sharding2" / "checkpoint", skip,
+                                                tmp_path).collect(), skip, tmp_path)
+
+
+def _resume(name: str, checkpoint: pathlib.Path, skip: int, tmp_path: pathlib.Path):
+    """Start the mesh RESHARDED[name] resuming `checkpoint` (saved after `skip` steps) for RESUMED steps; it saves
+    its own checkpoint into tmp_path/name/checkpoint."""
+    world, stages, stage, microbatches = RESHARDED[name]
+    return start(world, "fleet_resume", {"model": "gpt", "mode": "1F1B", "batch": 4, "stages": stages,
+                                         "sharding_stage": stage, "microbatches": microbatches,
+                                         "load": str(checkpoint), "skip": skip, "steps": RESUMED,
+                                         "save": str(tmp_path / name / "checkpoint")},
+                 tmp_path / name, deadline_s=240, module="fleet.pipeline_workers")
+
+
+def _check_resumed(name: str, results: list, skip: int, tmp_path: pathlib.Path) -> None:
+    """The resumed mesh continued as the uninterrupted eager run does (losses, every parameter), and the checkpoint
+    it saved then has its own layout and holds the eager run's optimizer state (moments and step counts)."""
+    for r in results:
+        assert r.returncode == 0, f"{name} rank {r.rank}: {r.output[-3000:]}"
+    world, stages, stage, _ = RESHARDED[name]
+    assert results[0].result["mesh"] == str(ProcessMesh(pp=stages, sharding=world // stages))
+    meta = checkpoint_commit.open_latest(tmp_path / name / "checkpoint", ()).meta
+    assert len(meta.get("pipeline_parts", ())) == (stages if stages > 1 else 0)
+    assert len(meta.get("optimizer_shards", ())) == (world if stage else 0)
+    assert bool(meta.get("optimizer_shard_pieces")) == (stage == 2)  # flat stage 2 re-split the moments
+    losses, model, optimizer = eager_reference_run("gpt", STAGES, SHARDS * MICROBATCHES, skip + RESUMED)
+    # one loss per pipeline and replica, each the mean over its replica's share of the batch
+    rank_losses = torch.tensor([r.result["losses"] for r in results])
+    torch.testing.assert_close(rank_losses.mean(0), torch.tensor(losses[skip:]),
+                               msg=lambda m: f"{name} losses: {m}")
+    continued = {key: p.detach() for key, p in model.named_parameters()}
+    held = {}
+    for r in results:
+        held.update(r.result["params"])
+        for key, value in r.result["params"].items():
+            torch.testing.assert_close(value, continued[key],
+                                       msg=lambda m, key=key, r=r: f"{name} rank {r.rank} {key}: {m}")
+    assert set(held) == set(continued)
+    saved = fleetc.read_checkpoint(str(tmp_path / name / "checkpoint"))["optimizer"]["state"]
+    expected = optimizer.state_dict()["state"]
+    assert sorted(saved) == sorted(expected)
+    for index, slots in expected.items():
+        assert sorted(saved[index]) == sorted(slots)
+        for key, value in slots.items():  # flat stage 2's pieces come back flattened
+            torch.testing.assert_close(saved[index][key].reshape(value.shape), value,
+                                       msg=lambda m, index=index, key=key: f"{name} {index} {key}: {m}")
+
+
+def _check_misfits(checkpoint: pathlib.Path) -> None:
+    """What cannot resume from the checkpoint is refused by name: another model (a parameter of another shape: the
+    stage part holding it is named), and the same parameters numbered in another order by the optimizer (the
+    shards' pieces would be joined into the wrong parameters)."""
+    make, optimizer_name = STAGED["gpt"]
+    other = make(STAGES)
+    other.ln_f = torch.nn.LayerNorm(2 * other.ln_f.normalized_shape[0])
+    reordered = make(STAGES)
+    for model, params, message in ((other, other.parameters(), r"pipeline\.pp00001\.pt: 'ln_f\.weight' has shape"),
+                                   (reordered, list(reordered.parameters())[::-1],
+                                    r"optimizer\.pt: its optimizer state numbers 'tok\.weight' as parameter 0")):
+        trainer = fleetc.compile(model, optimizer=OPTIMIZERS[optimizer_name](params), loss_fn=ZOO["gpt"].loss_fn)
+        with pytest.raises(CheckpointError, match=message):
+            trainer.load_checkpoint(str(checkpoint))

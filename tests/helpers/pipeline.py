@@ -168,6 +168,14 @@ def fleet_reference(zoo_name: str, stages: int, microbatches: int, steps: int, k
     seed 0: per step, the gradient of the mean loss over the global batch's micro-batches (every replica's: the
     replicas' average gradient is the gradient of that mean); one update every k_steps steps on their average,
     clipped to the global norm `clip_norm`. Returns the losses and the final parameters."""
+    losses, model, _ = eager_reference_run(zoo_name, stages, microbatches, steps, k_steps, clip_norm)
+    return losses, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def eager_reference_run(zoo_name: str, stages: int, microbatches: int, steps: int, k_steps: int = 1,
+                        clip_norm: float | None = None) -> tuple[list[float], nn.Module, torch.optim.Optimizer]:
+    """`fleet_reference`'s run, returning its losses, model and optimizer (whose state a resumed run's is checked
+    against)."""
     make, optimizer_name = STAGED[zoo_name]
     torch.manual_seed(0)
     model = make(stages)
@@ -178,4 +186,4 @@ def fleet_reference(zoo_name: str, stages: int, microbatches: int, steps: int, k
         batch, _ = ZOO[zoo_name].make_batch(g)
         losses.append(eager_accumulating_step(model, optimizer, ZOO[zoo_name].loss_fn, batch, microbatches,
                                               update=(step + 1) % k_steps == 0, divide=k_steps, clip_norm=clip_norm))
-    return losses, {n: p.detach() for n, p in model.named_parameters()}
+    return losses, model, optimizer
