@@ -1,0 +1,127 @@
+"""Worker bodies of the sharding review tests (`python -m fleet.sharding_review_workers NAME ARGS_JSON OUT_DIR`).
+
+Each config trains the way a user would (fleet.init, fleet.distributed_optimizer, fleetc.compile), possibly with
+two parameter groups, gradient clipping or the newer `fleetc.Strategy`, then evaluates and gathers the whole
+state; an eager reference accumulating over the same shards of the batch runs beside it in the same process.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from zoo import ZOO
+
+import fleetc
+import fleetc.fleet as fleet
+from fleet.optimizer_workers import CLIPS
+from fleet.spawn import run_worker
+from fleet.workers import global_batches, make_model, make_strategy, shard
+
+# The optimizers of the review, each with weight decay. `groups`: the matrices in one group at the base lr, the
+# rest (biases, norms, embeddings' 1-D parts) in a second group at 0.3x the lr and without weight decay.
+OPTIMIZERS = {
+    "momentum": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-3}),
+    "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+    "adam": (torch.optim.Adam, {"lr": 1e-2, "weight_decay": 1e-3}),
+}
+
+
+def make_optimizer(model: torch.nn.Module, config: dict) -> torch.optim.Optimizer:
+    kind, options = OPTIMIZERS[config["optimizer"]]
+    if not config.get("groups"):
+        return kind(model.parameters(), **options)
+    params = list(model.parameters())
+    return kind([{"params": [p for p in params if p.dim() >= 2]},
+                 {"params": [p for p in params if p.dim() < 2], "lr": options["lr"] * 0.3, "weight_decay": 0.0}],
+                **options)
+
+
+def strategy_of(config: dict):
+    """`new_style`: the same sharding as `fleetc.Strategy({"sharding": {...}})` instead of a DistributedStrategy."""
+    if config.get("new_style"):
+        return fleetc.Strategy({"sharding": config["new_style"]})
+    return make_strategy(config["strategy"])
+
+
+def eager_reference(config: dict, initial: dict, world: int) -> dict:
+    """Eager PyTorch: each step sums every shard's own forward and backward (divided by the world, as the
+    average), clips the summed gradient as configured and steps the same optimizer."""
+    entry = ZOO[config["zoo"]]
+    model = make_model(config)
+    model.load_state_dict(initial)
+    opt = make_optimizer(model, config)
+    clip = config.get("grad_clip")
+    merge = config["strategy"].get("gradient_merge_configs", {}).get("k_steps", 1)
+    losses = []
+    for i, batch in enumerate(global_batches(config["zoo"], config["steps"])):
+        step_loss = 0.0
+        for r in range(world):
+            *inputs, target = shard(batch, r, world)
+            loss = entry.loss_fn(model(*inputs), target)
+            (loss / (world * merge)).backward()
+            step_loss += loss.detach() / world
+        losses.append(step_loss)
+        if (i + 1) % merge:
+            continue
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip[1])
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def run(rank: int, world: int, config: dict) -> dict:
+    entry = ZOO[config["zoo"]]
+    torch.manual_seed(rank)  # different on every rank: the broadcast from rank 0 must make them equal
+    model = make_model(config)
+    opt = fleet.distributed_optimizer(make_optimizer(model, config), strategy_of(config))
+    clip = config.get("grad_clip")
+    trainer = fleetc.compile(model, optimizer=opt, loss_fn=entry.loss_fn, verify=True,
+                             grad_clip=CLIPS[clip[0]](clip[1]) if clip else None)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    batches = global_batches(config["zoo"], config["steps"])
+    losses = [trainer.step(*shard(batch, rank, world)) for batch in batches]
+    full = trainer.full_state_dict()
+    *inputs, _ = shard(batches[0], rank, world)
+    out = trainer(*inputs)  # evaluation after training, on this rank's shard
+    eager = make_model(config)
+    eager.load_state_dict(full)
+    eager.eval()
+    with torch.no_grad():
+        eager_out = eager(*inputs)
+    report = trainer.report()
+    result = {"initial": initial, "losses": losses, "state": full, "eval": out, "eager_eval": eager_out,
+              "stats": report.stats, "decisions": [str(d) for d in report.decisions],
+              "skipped": [str(s) for s in report.skipped], "notes": [str(n) for n in report.notes],
+              "op_types": sorted({op.type for _, op in trainer.program.walk_ops()}),
+              "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in trainer.optimizer.param_groups]}
+    if config.get("eager"):
+        result["eager"] = eager_reference(config, initial, world)
+    return result
+
+
+def train_configs(rank: int, args: dict, out_dir: str) -> None:
+    fleet.init(is_collective=True)
+    runs = [run(rank, fleet.worker_num(), config) for config in args["configs"]]
+    torch.save({"runs": runs}, os.path.join(out_dir, f"rank{rank}.pt"))
+    fleet.barrier_worker()
+    fleet.stop_worker()
+
+
+def bad_degree(rank: int, args: dict, out_dir: str) -> None:
+    """A sharding degree that does not divide the world size, set by the user: the error each rank raises."""
+    fleet.init(is_collective=True)
+    model = make_model({"zoo": "mlp"})
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), make_strategy(args["strategy"]))
+    try:
+        trainer = fleetc.compile(model, optimizer=opt, loss_fn=ZOO["mlp"].loss_fn)
+        trainer.step(*shard(global_batches("mlp", 1)[0], rank, fleet.worker_num()))
+        outcome = {"error": None}
+    except fleetc.StrategyError as exc:
+        outcome = {"error": str(exc)}
+    torch.save(outcome, os.path.join(out_dir, f"rank{rank}.pt"))
+    fleet.stop_worker()
+
+
+if __name__ == "__main__":
+    run_worker(globals())

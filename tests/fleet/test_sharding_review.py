@@ -1,0 +1,112 @@
+"""Sharding as a demanding user combines it, on gloo ranks on loopback: stages 1, 2 and 3 each with
+
+- recompute and AMP bf16 together (the zoo GPT), bit for bit as unsharded data parallel under the same strategy;
+- gradient merge (k=2) and global-norm clipping together;
+- SGD with momentum and AdamW, each with weight decay and two parameter groups of different lr and decay;
+- `fleetc.Strategy({"sharding": {...}})` against the DistributedStrategy path;
+- evaluation after training and `trainer.full_state_dict()` on every rank;
+- dp_degree=2 × sharding_degree=2 on 4 ranks with clipping and two parameter groups (`FLEETC_FULL=1`).
+
+fp32 configs are also checked against eager PyTorch summing every shard's own forward and backward (as the ranks
+do), at fp32 tolerance: test_sharding.py's reference, with parameter groups, clipping and gradient merge.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from fleet.spawn import assert_all_ok, spawn
+from fleet.test_sharding import FP32_ATOL, sharded
+
+FULL = pytest.mark.skipif(not os.environ.get("FLEETC_FULL"), reason="the rest of the review matrix: FLEETC_FULL=1")
+MERGE_CLIP = {"gradient_merge": True, "gradient_merge_configs": {"k_steps": 2}}
+RECOMPUTE_BF16 = {"recompute": True, "recompute_configs": {"checkpoints": ["layers.0"]}, "amp": True,
+                  "amp_configs": {"dtype": "bfloat16"}}
+
+
+def pair(config: dict, stage: int, **sharding_configs) -> list[dict]:
+    """`config` unsharded, then under `stage`; both with the eager reference when fp32."""
+    base = dict(config, eager=not config["strategy"].get("amp"))
+    return [base, {**base, "strategy": {**config["strategy"],
+                                        **sharded(stage, sharding_configs={"stage": stage, **sharding_configs})}}]
+
+
+def merged_clipped(stage: int) -> list[dict]:
+    return pair({"zoo": "mlp", "optimizer": "adam", "steps": 4, "grad_clip": ["global_norm", 0.05],
+                 "strategy": MERGE_CLIP}, stage)
+
+
+def grouped(optimizer: str, stage: int) -> list[dict]:
+    return pair({"zoo": "mlp", "optimizer": optimizer, "groups": True, "steps": 3, "strategy": {}}, stage)
+
+
+def recomputed_bf16(stage: int) -> list[dict]:
+    return pair({"zoo": "gpt", "optimizer": "adam", "steps": 2, "dropout_off": True, "strategy": RECOMPUTE_BF16},
+                stage)
+
+
+def check_pairs(results, configs: list[dict]) -> None:
+    """Each sharded run beside the unsharded run before it: the same losses and parameters (bit for bit but under
+    global-norm clipping, whose norm sums the pieces in another order), equal on every rank; an eval after training
+    equals eager's on the gathered parameters (under AMP: unsharded data parallel's); fp32 runs also match the eager reference."""
+    assert_all_ok(results)
+    for i in range(0, len(configs), 2):
+        config = configs[i + 1]
+        exact = not config.get("grad_clip")
+        plain = [r.result["runs"][i] for r in results]
+        runs = [r.result["runs"][i + 1] for r in results]
+        where = f"config {i + 1}: {config}"
+        assert "sharding" in runs[0]["stats"], (where, runs[0]["skipped"])
+        for run, reference in zip(runs, plain):
+            assert run["state"].keys() == reference["state"].keys()
+            for name, value in reference["state"].items():
+                if exact:
+                    assert torch.equal(run["state"][name], value), (where, name, (run["state"][name] - value).abs().max())
+                else:
+                    torch.testing.assert_close(run["state"][name], value, msg=lambda m, n=name: f"{where} {n}: {m}")
+            for got, want in zip(run["losses"], reference["losses"]):
+                assert torch.equal(got, want) if exact else torch.allclose(got, want), (where, got, want)
+            if config["strategy"].get("amp"):  # evaluation in bf16: as unsharded data parallel evaluates
+                assert torch.equal(run["eval"], reference["eval"]), where
+            else:
+                torch.testing.assert_close(run["eval"], run["eager_eval"], msg=lambda m: f"{where} eval: {m}")
+            assert all(torch.equal(run["state"][k], v) for k, v in runs[0]["state"].items()), where
+            assert run["param_groups"] == reference["param_groups"], where
+        assert any(not torch.equal(runs[0]["state"][k], v) for k, v in runs[0]["initial"].items()), where
+        if config.get("eager"):
+            eager = runs[0]["eager"]
+            world = len(results)
+            for step, want in enumerate(eager["losses"]):
+                got = sum(run["losses"][step] for run in runs) / world
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where} loss {step}: {m}")
+            for name, want in eager["state"].items():
+                torch.testing.assert_close(runs[0]["state"][name], want, rtol=1e-5, atol=FP32_ATOL,
+                                           msg=lambda m, n=name: f"{where} {n}: {m}")
+
+
+# CI: one spawn, the cheap mlp compositions at every stage.
+CI_CONFIGS = [*merged_clipped(2), *grouped("adamw", 3), *grouped("momentum", 1)]
+
+
+@pytest.mark.slow
+def test_sharded_compositions_equal_data_parallel_and_eager(tmp_path):
+    results = spawn(2, "train_configs", {"configs": CI_CONFIGS}, tmp_path, deadline_s=240,
+                    module="fleet.sharding_review_workers")
+    check_pairs(results, CI_CONFIGS)
+
+
+MERGE_CLIP_CONFIGS = [config for stage in (1, 2, 3) for config in merged_clipped(stage)]
+GROUP_CONFIGS = [config for optimizer in ("momentum", "adamw") for stage in (1, 2, 3)
+                 for config in grouped(optimizer, stage)]
+RECOMPUTE_CONFIGS = [config for stage in (1, 2, 3) for config in recomputed_bf16(stage)]
+
+
+@FULL
+@pytest.mark.parametrize("configs", [MERGE_CLIP_CONFIGS, GROUP_CONFIGS, RECOMPUTE_CONFIGS],
+                         ids=["merge_clip", "param_groups", "recompute_bf16"])
+def test_full_review_matrix(tmp_path, configs):
+    results = spawn(2, "train_configs", {"configs": configs}, tmp_path, deadline_s=600,
+                    module="fleet.sharding_review_workers")
+    check_pairs(results, configs)
