@@ -100,26 +100,25 @@ def run(rank: int, world: int, config: dict) -> dict:
     return result
 
 
-def train_configs(rank: int, args: dict, out_dir: str) -> None:
-    fleet.init(is_collective=True)
-    runs = [run(rank, fleet.worker_num(), config) for config in args["configs"]]
-    torch.save({"runs": runs}, os.path.join(out_dir, f"rank{rank}.pt"))
-    fleet.barrier_worker()
-    fleet.stop_worker()
-
-
-def bad_degree(rank: int, args: dict, out_dir: str) -> None:
-    """A sharding degree that does not divide the world size, set by the user: the error each rank raises."""
-    fleet.init(is_collective=True)
+def refused(rank: int, world: int, config: dict) -> str | None:
+    """The StrategyError a config's first step raises (a sharding degree that does not divide the world size)."""
     model = make_model({"zoo": "mlp"})
-    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), make_strategy(args["strategy"]))
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy_of(config))
     try:
         trainer = fleetc.compile(model, optimizer=opt, loss_fn=ZOO["mlp"].loss_fn)
-        trainer.step(*shard(global_batches("mlp", 1)[0], rank, fleet.worker_num()))
-        outcome = {"error": None}
+        trainer.step(*shard(global_batches("mlp", 1)[0], rank, world))
     except fleetc.StrategyError as exc:
-        outcome = {"error": str(exc)}
-    torch.save(outcome, os.path.join(out_dir, f"rank{rank}.pt"))
+        return str(exc)
+    return None
+
+
+def train_configs(rank: int, args: dict, out_dir: str) -> None:
+    """`configs`: trained (`run`); `refused`: configs whose first step should raise a StrategyError."""
+    fleet.init(is_collective=True)
+    runs = [run(rank, fleet.worker_num(), config) for config in args["configs"]]
+    errors = [refused(rank, fleet.worker_num(), config) for config in args.get("refused", [])]
+    torch.save({"runs": runs, "refused": errors}, os.path.join(out_dir, f"rank{rank}.pt"))
+    fleet.barrier_worker()
     fleet.stop_worker()
 
 

@@ -88,13 +88,33 @@ def check_pairs(results, configs: list[dict]) -> None:
 
 # CI: one spawn, the cheap mlp compositions at every stage.
 CI_CONFIGS = [*merged_clipped(2), *grouped("adamw", 3), *grouped("momentum", 1)]
+# The newer API beside the DistributedStrategy path (sharding_degree left at its default: the world size).
+STYLES = [{"zoo": "mlp", "optimizer": "adam", "steps": 2, "strategy": sharded(stage), **new_style}
+          for stage in (2, 3) for new_style in ({}, {"new_style": {"enable": True, "stage": stage}})]
+# A degree the user set that does not divide the 2 ranks, in each place it can be set.
+REFUSED = [{"strategy": sharded(2, sharding_configs={"stage": 2, "sharding_degree": 3})},
+           {"strategy": sharded(1, hybrid_configs={"sharding_degree": 3})},
+           {"strategy": {}, "new_style": {"enable": True, "stage": 2, "degree": 3}}]
 
 
 @pytest.mark.slow
 def test_sharded_compositions_equal_data_parallel_and_eager(tmp_path):
-    results = spawn(2, "train_configs", {"configs": CI_CONFIGS}, tmp_path, deadline_s=240,
-                    module="fleet.sharding_review_workers")
+    results = spawn(2, "train_configs", {"configs": CI_CONFIGS + STYLES, "refused": REFUSED}, tmp_path,
+                    deadline_s=240, module="fleet.sharding_review_workers")
     check_pairs(results, CI_CONFIGS)
+    for result in results:
+        runs = result.result["runs"][len(CI_CONFIGS):]
+        for old, new in (runs[0:2], runs[2:4]):  # fleetc.Strategy trains the same Program as DistributedStrategy
+            assert new["op_types"] == old["op_types"] and new["stats"] == old["stats"]
+            assert all(torch.equal(new["state"][k], v) for k, v in old["state"].items())
+            for run in (old, new):  # the default degree (8) means the world size, and report() says so
+                assert any("sharding_configs.sharding_degree is not set (Paddle's default is 8): sharding across "
+                           "the 2 rank(s)" in line for line in run["decisions"]), run["decisions"]
+        own, hybrid, new_style = result.result["refused"]
+        assert own == ("sharding_configs.sharding_degree is 3, which does not divide the world size 2 "
+                       "(fleetc.Strategy: sharding.degree)"), own
+        assert hybrid == "hybrid_configs.sharding_degree is 3, which does not divide the world size 2", hybrid
+        assert new_style == own, new_style  # named in the newer style too
 
 
 MERGE_CLIP_CONFIGS = [config for stage in (1, 2, 3) for config in merged_clipped(stage)]
