@@ -26,11 +26,10 @@ RECOMPUTE_BF16 = {"recompute": True, "recompute_configs": {"checkpoints": ["laye
                   "amp_configs": {"dtype": "bfloat16"}}
 
 
-def pair(config: dict, stage: int, **sharding_configs) -> list[dict]:
-    """`config` unsharded, then under `stage`; both with the eager reference when fp32."""
+def pair(config: dict, stage: int, **sharded_fields) -> list[dict]:
+    """`config` unsharded, then under `stage` (and `sharded_fields`); both with the eager reference when fp32."""
     base = dict(config, eager=not config["strategy"].get("amp"))
-    return [base, {**base, "strategy": {**config["strategy"],
-                                        **sharded(stage, sharding_configs={"stage": stage, **sharding_configs})}}]
+    return [base, {**base, "strategy": {**config["strategy"], **sharded(stage, **sharded_fields)}}]
 
 
 def merged_clipped(stage: int) -> list[dict]:
@@ -130,3 +129,17 @@ def test_full_review_matrix(tmp_path, configs):
     results = spawn(2, "train_configs", {"configs": configs}, tmp_path, deadline_s=600,
                     module="fleet.sharding_review_workers")
     check_pairs(results, configs)
+
+
+MESH_CONFIGS = [config for stage in (1, 2, 3) for config in pair(
+    {"zoo": "mlp", "optimizer": "adamw", "groups": True, "steps": 3, "grad_clip": ["global_norm", 0.05],
+     "strategy": {}}, stage, hybrid_configs={"dp_degree": 2, "sharding_degree": 2})]
+
+
+@FULL
+def test_dp_by_sharding_on_four_ranks_with_clipping_and_two_param_groups(tmp_path):
+    """dp_degree=2 × sharding_degree=2: the clip norm is summed over the sharding group only (replicas hold the
+    same averaged pieces), so every stage clips as unsharded data parallel over 4 ranks does, and as eager."""
+    results = spawn(4, "train_configs", {"configs": MESH_CONFIGS}, tmp_path, deadline_s=600,
+                    module="fleet.sharding_review_workers")
+    check_pairs(results, MESH_CONFIGS)
