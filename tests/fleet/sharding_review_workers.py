@@ -93,7 +93,7 @@ def run(rank: int, world: int, config: dict) -> dict:
     result = {"initial": initial, "losses": losses, "state": full, "eval": out, "eager_eval": eager_out,
               "stats": report.stats, "decisions": [str(d) for d in report.decisions],
               "skipped": [str(s) for s in report.skipped], "notes": [str(n) for n in report.notes],
-              "op_types": sorted({op.type for _, op in trainer.program.walk_ops()}),
+              "memory": trainer.memory_stats().get("sharding"), "op_types": sorted({op.type for _, op in trainer.program.walk_ops()}),
               "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in trainer.optimizer.param_groups]}
     if config.get("eager"):
         result["eager"] = eager_reference(config, initial, world)

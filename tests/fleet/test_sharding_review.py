@@ -12,13 +12,17 @@ do), at fp32 tolerance: test_sharding.py's reference, with parameter groups, cli
 """
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 
 import pytest
 import torch
+from zoo import ZOO
 
 from fleet.spawn import assert_all_ok, spawn
 from fleet.test_sharding import FP32_ATOL, sharded
+from fleetc.cli import main
 
 FULL = pytest.mark.skipif(not os.environ.get("FLEETC_FULL"), reason="the rest of the review matrix: FLEETC_FULL=1")
 MERGE_CLIP = {"gradient_merge": True, "gradient_merge_configs": {"k_steps": 2}}
@@ -46,6 +50,11 @@ def recomputed_bf16(stage: int) -> list[dict]:
                 stage)
 
 
+def labelled(label: str):
+    """An assert_close message naming the config and value."""
+    return lambda message: f"{label}: {message}"
+
+
 def check_pairs(results, configs: list[dict]) -> None:
     """Each sharded run beside the unsharded run before it: the same losses and parameters (bit for bit but under
     global-norm clipping, whose norm sums the pieces in another order), equal on every rank; an eval after training
@@ -64,13 +73,13 @@ def check_pairs(results, configs: list[dict]) -> None:
                 if exact:
                     assert torch.equal(run["state"][name], value), (where, name, (run["state"][name] - value).abs().max())
                 else:
-                    torch.testing.assert_close(run["state"][name], value, msg=lambda m, n=name: f"{where} {n}: {m}")
+                    torch.testing.assert_close(run["state"][name], value, msg=labelled(f"{where} {name}"))
             for got, want in zip(run["losses"], reference["losses"]):
                 assert torch.equal(got, want) if exact else torch.allclose(got, want), (where, got, want)
             if config["strategy"].get("amp"):  # evaluation in bf16: as unsharded data parallel evaluates
                 assert torch.equal(run["eval"], reference["eval"]), where
             else:
-                torch.testing.assert_close(run["eval"], run["eager_eval"], msg=lambda m: f"{where} eval: {m}")
+                torch.testing.assert_close(run["eval"], run["eager_eval"], msg=labelled(f"{where} eval"))
             assert all(torch.equal(run["state"][k], v) for k, v in runs[0]["state"].items()), where
             assert run["param_groups"] == reference["param_groups"], where
         assert any(not torch.equal(runs[0]["state"][k], v) for k, v in runs[0]["initial"].items()), where
@@ -79,10 +88,10 @@ def check_pairs(results, configs: list[dict]) -> None:
             world = len(results)
             for step, want in enumerate(eager["losses"]):
                 got = sum(run["losses"][step] for run in runs) / world
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where} loss {step}: {m}")
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=labelled(f"{where} loss {step}"))
             for name, want in eager["state"].items():
                 torch.testing.assert_close(runs[0]["state"][name], want, rtol=1e-5, atol=FP32_ATOL,
-                                           msg=lambda m, n=name: f"{where} {n}: {m}")
+                                           msg=labelled(f"{where} {name}"))
 
 
 # CI: one spawn, the cheap mlp compositions at every stage.
@@ -114,6 +123,43 @@ def test_sharded_compositions_equal_data_parallel_and_eager(tmp_path):
                        "(fleetc.Strategy: sharding.degree)"), own
         assert hybrid == "hybrid_configs.sharding_degree is 3, which does not divide the world size 2", hybrid
         assert new_style == own, new_style  # named in the newer style too
+    # the pre-launch estimate of stage 3's parameters in flight is what the trainer measured on these ranks
+    measured = results[0].result["runs"][3]["memory"]
+    assert measured["stage"] == 3 and measured["gathered_in_flight_bytes"] > 0
+    estimated = in_flight_column(shard_plan(tmp_path, 2))
+    assert estimated == [pytest.approx(measured["gathered_in_flight_bytes"] / 2**20, abs=1e-3)] * 2, estimated
+
+
+def shard_plan(tmp_path, world: int) -> list[str]:
+    """`fleetc shard-plan` of the zoo mlp (SGD) under flat stage 3 for `world` ranks, in this process."""
+    path = tmp_path / "stage3.json"
+    path.write_text(json.dumps({"sharding": True, "sharding_configs": {"stage": 3}}))
+    capture = tmp_path / "plan.txt"
+    with open(capture, "w") as out, contextlib.redirect_stdout(out):
+        assert main(["shard-plan", "cli_factories:mlp", "--world-size", str(world), "--strategy", str(path)]) == 0
+    return capture.read_text().splitlines()
+
+
+def in_flight_column(lines: list[str]) -> list[float]:
+    header = lines[1].split()
+    assert header[-3:] == ["in", "flight", "MB"], header
+    return [float(line.split()[-1]) for line in lines if line.split()[0].isdigit()]
+
+
+def test_shard_plan_for_64_ranks_at_stage_3_prints_each_rank_and_what_is_gathered_in_flight(tmp_path):
+    """Flat stage 3 on 64 ranks this machine cannot run: each rank holds 1/64 of the parameters and of the SGD
+    gradients (8Ψ/N up to the padding of fewer than N elements) and gathers the whole padded bucket in flight,
+    twice (the forward's copy and the backward's prefetched one)."""
+    lines = shard_plan(tmp_path, 64)
+    assert lines[0].startswith("process mesh dp=1 × pp=1 × sharding=64 × mp=1 (64 ranks); sharding stage 3")
+    rows = [line.split() for line in lines if line.split()[0].isdigit()]
+    assert [int(row[0]) for row in rows] == list(range(64))
+    psi = sum(p.numel() for p in ZOO["mlp"].make_model().parameters())
+    segment = -(-psi // 64)
+    for row in rows:
+        assert float(row[5]) == pytest.approx(8 * segment / 2**20, abs=1e-3), row  # parameters + gradients
+    assert in_flight_column(lines) == [round(2 * 4 * segment * 64 / 2**20, 3)] * 64
+    assert lines[-1].startswith("stage 3 also gathers up to")
 
 
 MERGE_CLIP_CONFIGS = [config for stage in (1, 2, 3) for config in merged_clipped(stage)]
