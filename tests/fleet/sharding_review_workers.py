@@ -43,17 +43,27 @@ def strategy_of(config: dict):
     return make_strategy(config["strategy"])
 
 
+def user_batches(config: dict) -> list:
+    """The global batches; `ragged`: the last one smaller (a loader without drop_last), so the step is captured
+    again."""
+    batches = global_batches(config["zoo"], config["steps"])
+    if config.get("ragged"):
+        batches[-1] = tuple(t[: t.shape[0] * 3 // 4] for t in batches[-1])
+    return batches
+
+
 def eager_reference(config: dict, initial: dict, world: int) -> dict:
     """Eager PyTorch: each step sums every shard's own forward and backward (divided by the world, as the
-    average), clips the summed gradient as configured and steps the same optimizer."""
+    average), clips the summed gradient as configured and steps the same optimizer (and LR scheduler)."""
     entry = ZOO[config["zoo"]]
     model = make_model(config)
     model.load_state_dict(initial)
     opt = make_optimizer(model, config)
+    schedule = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5) if config.get("scheduler") else None
     clip = config.get("grad_clip")
     merge = config["strategy"].get("gradient_merge_configs", {}).get("k_steps", 1)
     losses = []
-    for i, batch in enumerate(global_batches(config["zoo"], config["steps"])):
+    for i, batch in enumerate(user_batches(config)):
         step_loss = 0.0
         for r in range(world):
             *inputs, target = shard(batch, r, world)
@@ -61,12 +71,13 @@ def eager_reference(config: dict, initial: dict, world: int) -> dict:
             (loss / (world * merge)).backward()
             step_loss += loss.detach() / world
         losses.append(step_loss)
-        if (i + 1) % merge:
-            continue
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip[1])
-        opt.step()
-        opt.zero_grad()
+        if (i + 1) % merge == 0:
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip[1])
+            opt.step()
+            opt.zero_grad()
+        if schedule is not None:
+            schedule.step()
     return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
@@ -79,8 +90,15 @@ def run(rank: int, world: int, config: dict) -> dict:
     trainer = fleetc.compile(model, optimizer=opt, loss_fn=entry.loss_fn, verify=True,
                              grad_clip=CLIPS[clip[0]](clip[1]) if clip else None)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    batches = global_batches(config["zoo"], config["steps"])
-    losses = [trainer.step(*shard(batch, rank, world)) for batch in batches]
+    batches = user_batches(config)
+    schedule = torch.optim.lr_scheduler.StepLR(opt.inner, 1, gamma=0.5) if config.get("scheduler") else None
+    losses, evals = [], []
+    for batch in batches:
+        losses.append(trainer.step(*shard(batch, rank, world)))
+        if schedule is not None:
+            schedule.step()
+        if config.get("eval_between"):  # an evaluation call between training steps
+            evals.append(trainer(*shard(batch, rank, world)[:-1]))
     full = trainer.full_state_dict()
     *inputs, _ = shard(batches[0], rank, world)
     out = trainer(*inputs)  # evaluation after training, on this rank's shard
@@ -90,7 +108,7 @@ def run(rank: int, world: int, config: dict) -> dict:
     with torch.no_grad():
         eager_out = eager(*inputs)
     report = trainer.report()
-    result = {"initial": initial, "losses": losses, "state": full, "eval": out, "eager_eval": eager_out,
+    result = {"initial": initial, "losses": losses, "state": full, "evals": evals, "eval": out, "eager_eval": eager_out,
               "stats": report.stats, "decisions": [str(d) for d in report.decisions],
               "skipped": [str(s) for s in report.skipped], "notes": [str(n) for n in report.notes],
               "memory": trainer.memory_stats().get("sharding"), "op_types": sorted({op.type for _, op in trainer.program.walk_ops()}),

@@ -76,6 +76,8 @@ def check_pairs(results, configs: list[dict]) -> None:
                     torch.testing.assert_close(run["state"][name], value, msg=labelled(f"{where} {name}"))
             for got, want in zip(run["losses"], reference["losses"]):
                 assert torch.equal(got, want) if exact else torch.allclose(got, want), (where, got, want)
+            assert len(run["evals"]) == len(reference["evals"])
+            assert all(torch.equal(a, b) for a, b in zip(run["evals"], reference["evals"])), where
             if config["strategy"].get("amp"):  # evaluation in bf16: as unsharded data parallel evaluates
                 assert torch.equal(run["eval"], reference["eval"]), where
             else:
@@ -162,6 +164,11 @@ def test_shard_plan_for_64_ranks_at_stage_3_prints_each_rank_and_what_is_gathere
     assert lines[-1].startswith("stage 3 also gathers up to")
 
 
+# A user's loop: an LR scheduler stepped after each step, an evaluation call between steps, and a last smaller
+# batch (captured again), with two parameter groups.
+USER_LOOP = [config for stage in (1, 2, 3) for config in pair(
+    {"zoo": "mlp", "optimizer": "adam", "groups": True, "steps": 3, "scheduler": True, "eval_between": True,
+     "ragged": True, "strategy": {}}, stage)]
 MERGE_CLIP_CONFIGS = [config for stage in (1, 2, 3) for config in merged_clipped(stage)]
 GROUP_CONFIGS = [config for optimizer in ("momentum", "adamw") for stage in (1, 2, 3)
                  for config in grouped(optimizer, stage)]
@@ -169,8 +176,8 @@ RECOMPUTE_CONFIGS = [config for stage in (1, 2, 3) for config in recomputed_bf16
 
 
 @FULL
-@pytest.mark.parametrize("configs", [MERGE_CLIP_CONFIGS, GROUP_CONFIGS, RECOMPUTE_CONFIGS],
-                         ids=["merge_clip", "param_groups", "recompute_bf16"])
+@pytest.mark.parametrize("configs", [MERGE_CLIP_CONFIGS, GROUP_CONFIGS, RECOMPUTE_CONFIGS, USER_LOOP],
+                         ids=["merge_clip", "param_groups", "recompute_bf16", "user_loop"])
 def test_full_review_matrix(tmp_path, configs):
     results = spawn(2, "train_configs", {"configs": configs}, tmp_path, deadline_s=600,
                     module="fleet.sharding_review_workers")
