@@ -140,5 +140,37 @@ def train_configs(rank: int, args: dict, out_dir: str) -> None:
     fleet.stop_worker()
 
 
+def resume_mid_period(rank: int, args: dict, out_dir: str) -> None:
+    """Each config: train `save_after` steps, checkpoint, train the rest; then a fresh model and trainer load the
+    checkpoint and train the rest. Both end states, whole."""
+    fleet.init(is_collective=True)
+    world = fleet.worker_num()
+    out = []
+    for config in args["configs"]:
+        batches = user_batches(config)
+        path = os.path.join(args["dir"], f"ckpt{len(out)}")
+
+        def build(seed: int, config=config):
+            torch.manual_seed(seed)
+            model = make_model(config)
+            opt = fleet.distributed_optimizer(make_optimizer(model, config), strategy_of(config))
+            return fleetc.compile(model, optimizer=opt, loss_fn=ZOO[config["zoo"]].loss_fn, verify=True)
+
+        trainer = build(0)
+        for batch in batches[: config["save_after"]]:
+            trainer.step(*shard(batch, rank, world))
+        trainer.save_checkpoint(path)
+        continued = [trainer.step(*shard(batch, rank, world)) for batch in batches[config["save_after"]:]]
+        continued_state = trainer.full_state_dict()
+        trainer = build(rank + 7)
+        trainer.load_checkpoint(path)
+        resumed = [trainer.step(*shard(batch, rank, world)) for batch in batches[config["save_after"]:]]
+        out.append({"continued": continued, "resumed": resumed, "continued_state": continued_state,
+                    "resumed_state": trainer.full_state_dict()})
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    fleet.barrier_worker()
+    fleet.stop_worker()
+
+
 if __name__ == "__main__":
     run_worker(globals())
