@@ -12,7 +12,8 @@ optimizer state, local parts only, and the batch) plus one step's allocation pea
 allocator events (`fleetc.runtime.memory.allocation_peak_bytes`): activations, gathered buckets and collective
 buffers included.
 Step times are the median over interleaved rounds; take them with 2 ranks only (more ranks than cores measure
-the scheduler).
+the scheduler). "fleetc stage 3, one layer per bucket" sets `segment_broadcast_MB` to one Linear's weight and
+bias, the buckets FSDP2's per-layer `fully_shard` makes.
 """
 from __future__ import annotations
 
@@ -60,12 +61,13 @@ def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
         state_bytes(optimizer)
 
 
-def fleetc_variant(options: argparse.Namespace, stage: int):
+def fleetc_variant(options: argparse.Namespace, stage: int, segment_mb: float | None = None):
+    """`segment_mb`: stage 3's parameter buckets (`segment_broadcast_MB`; default 32 MB: this model is one bucket)."""
     model = make_model(options)
     strategy = fleet.DistributedStrategy()
     if stage:
         strategy.sharding = True
-        strategy.sharding_configs = {"stage": stage}
+        strategy.sharding_configs = {"stage": stage, **({"segment_broadcast_MB": segment_mb} if segment_mb else {})}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     fleet.distributed_optimizer(optimizer, strategy)
     trainer = fleet.distributed_model(model, loss_fn=F.mse_loss)
@@ -107,6 +109,8 @@ def worker(options: argparse.Namespace) -> None:
     x, y = torch.randn(options.batch, options.width), torch.randn(options.batch, options.width)
     variants = {f"fleetc stage {s}" + (" (plain data parallel)" if s == 0 else ""): fleetc_variant(options, s)
                 for s in (0, 1, 2, 3)}
+    layer_mb = (options.width + 1) * options.width * 4 / MB * 1.01  # one Linear's weight and bias per bucket
+    variants["fleetc stage 3, one layer per bucket"] = fleetc_variant(options, 3, layer_mb)
     variants["torch DDP"] = eager_variant(DistributedDataParallel(make_model(options)))
     fsdp = make_model(options)
     mesh = init_device_mesh("cpu", (world,))
