@@ -23,14 +23,19 @@ OPTIMIZERS = {
     "momentum": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-3}),
     "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
     "adam": (torch.optim.Adam, {"lr": 1e-2, "weight_decay": 1e-3}),
+    "nesterov": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-3}),
+    "amsgrad": (torch.optim.Adam, {"lr": 1e-2, "amsgrad": True, "weight_decay": 1e-3}),
 }
 
 
 def make_optimizer(model: torch.nn.Module, config: dict) -> torch.optim.Optimizer:
+    """`freeze`: parameter names left out of training (requires_grad off, not given to the optimizer)."""
     kind, options = OPTIMIZERS[config["optimizer"]]
+    for name, param in model.named_parameters():
+        param.requires_grad_(name not in config.get("freeze", ()))
+    params = [p for p in model.parameters() if p.requires_grad]
     if not config.get("groups"):
-        return kind(model.parameters(), **options)
-    params = list(model.parameters())
+        return kind(params, **options)
     return kind([{"params": [p for p in params if p.dim() >= 2]},
                  {"params": [p for p in params if p.dim() < 2], "lr": options["lr"] * 0.3, "weight_decay": 0.0}],
                 **options)

@@ -169,6 +169,9 @@ def test_shard_plan_for_64_ranks_at_stage_3_prints_each_rank_and_what_is_gathere
 USER_LOOP = [config for stage in (1, 2, 3) for config in pair(
     {"zoo": "mlp", "optimizer": "adam", "groups": True, "steps": 3, "scheduler": True, "eval_between": True,
      "ragged": True, "strategy": {}}, stage)]
+# A frozen layer (requires_grad off, not in the optimizer) beside Nesterov momentum and AMSGrad.
+FROZEN = [config for optimizer in ("nesterov", "amsgrad") for stage in (1, 2, 3) for config in pair(
+    {"zoo": "mlp", "optimizer": optimizer, "freeze": ["fc1.weight", "fc1.bias"], "steps": 3, "strategy": {}}, stage)]
 MERGE_CLIP_CONFIGS = [config for stage in (1, 2, 3) for config in merged_clipped(stage)]
 GROUP_CONFIGS = [config for optimizer in ("momentum", "adamw") for stage in (1, 2, 3)
                  for config in grouped(optimizer, stage)]
@@ -176,8 +179,8 @@ RECOMPUTE_CONFIGS = [config for stage in (1, 2, 3) for config in recomputed_bf16
 
 
 @FULL
-@pytest.mark.parametrize("configs", [MERGE_CLIP_CONFIGS, GROUP_CONFIGS, RECOMPUTE_CONFIGS, USER_LOOP],
-                         ids=["merge_clip", "param_groups", "recompute_bf16", "user_loop"])
+@pytest.mark.parametrize("configs", [MERGE_CLIP_CONFIGS, GROUP_CONFIGS, RECOMPUTE_CONFIGS, USER_LOOP, FROZEN],
+                         ids=["merge_clip", "param_groups", "recompute_bf16", "user_loop", "frozen"])
 def test_full_review_matrix(tmp_path, configs):
     results = spawn(2, "train_configs", {"configs": configs}, tmp_path, deadline_s=600,
                     module="fleet.sharding_review_workers")
