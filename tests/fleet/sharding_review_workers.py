@@ -105,6 +105,7 @@ def run(rank: int, world: int, config: dict) -> dict:
         if config.get("eval_between"):  # an evaluation call between training steps
             evals.append(trainer(*shard(batch, rank, world)[:-1]))
     full = trainer.full_state_dict()
+    module = {k: v.detach().clone() for k, v in model.state_dict().items()}  # what the user's module holds
     *inputs, _ = shard(batches[0], rank, world)
     out = trainer(*inputs)  # evaluation after training, on this rank's shard
     eager = make_model(config)
@@ -113,7 +114,7 @@ def run(rank: int, world: int, config: dict) -> dict:
     with torch.no_grad():
         eager_out = eager(*inputs)
     report = trainer.report()
-    result = {"initial": initial, "losses": losses, "state": full, "evals": evals, "eval": out, "eager_eval": eager_out,
+    result = {"initial": initial, "losses": losses, "state": full, "evals": evals, "module_state": module, "eval": out, "eager_eval": eager_out,
               "stats": report.stats, "decisions": [str(d) for d in report.decisions],
               "skipped": [str(s) for s in report.skipped], "notes": [str(n) for n in report.notes],
               "memory": trainer.memory_stats().get("sharding"), "op_types": sorted({op.type for _, op in trainer.program.walk_ops()}),

@@ -84,6 +84,8 @@ def check_pairs(results, configs: list[dict]) -> None:
                 torch.testing.assert_close(run["eval"], run["eager_eval"], msg=labelled(f"{where} eval"))
             assert all(torch.equal(run["state"][k], v) for k, v in runs[0]["state"].items()), where
             assert run["param_groups"] == reference["param_groups"], where
+            if config["strategy"]["sharding_configs"]["stage"] < 3:  # the user's module itself: whole and current
+                assert all(torch.equal(run["module_state"][k], v) for k, v in run["state"].items()), where
         assert any(not torch.equal(runs[0]["state"][k], v) for k, v in runs[0]["initial"].items()), where
         if config.get("eager"):
             eager = runs[0]["eager"]
