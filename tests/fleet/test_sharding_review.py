@@ -206,20 +206,27 @@ def test_dp_by_sharding_on_four_ranks_with_clipping_and_two_param_groups(tmp_pat
 # Saved mid gradient-merge period (k=2, after 3 steps: each rank's own gradients of step 3 in its accumulators) and
 # resumed by a fresh trainer on the same ranks: the uninterrupted run (up to rounding: the checkpoint holds the
 # accumulators' average over the ranks), without sharding and at every stage.
-MID_PERIOD = [{"zoo": "mlp", "optimizer": "adam", "groups": True, "steps": 4, "save_after": 3,
-               "strategy": {**MERGE_CLIP, **(sharded(stage) if stage else {})}} for stage in (0, 1, 2, 3)]
+def mid_period(stages: tuple[int, ...]) -> list[dict]:
+    return [{"zoo": "mlp", "optimizer": "adam", "groups": True, "steps": 4, "save_after": 3,
+             "strategy": {**MERGE_CLIP, **(sharded(stage) if stage else {})}} for stage in stages]
 
 
-@FULL
-def test_a_checkpoint_mid_gradient_merge_period_resumes_as_the_uninterrupted_run(tmp_path):
-    results = spawn(2, "resume_mid_period", {"configs": MID_PERIOD, "dir": str(tmp_path / "ckpt")}, tmp_path,
-                    deadline_s=300, module="fleet.sharding_review_workers")
+def check_resumed(results, configs: list[dict]) -> None:
     assert_all_ok(results)
     for result in results:
         bad = []
-        for config, run in zip(MID_PERIOD, result.result):
+        for config, run in zip(configs, result.result):
             where = config["strategy"].get("sharding_configs")
             assert all(torch.equal(a, b) for a, b in zip(run["resumed"], run["continued"])), (where, run)
             bad += [(where, name) for name, value in run["continued_state"].items()
                     if not torch.allclose(run["resumed_state"][name], value, rtol=1.3e-6, atol=1e-5)]
         assert not bad, bad
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stages", [pytest.param((0, 2), id="ci"), pytest.param((1, 3), id="full", marks=FULL)])
+def test_a_checkpoint_mid_gradient_merge_period_resumes_as_the_uninterrupted_run(tmp_path, stages):
+    configs = mid_period(stages)
+    results = spawn(2, "resume_mid_period", {"configs": configs, "dir": str(tmp_path / "ckpt")}, tmp_path,
+                    deadline_s=300, module="fleet.sharding_review_workers")
+    check_resumed(results, configs)
