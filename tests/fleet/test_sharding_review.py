@@ -174,6 +174,11 @@ USER_LOOP = [config for stage in (1, 2, 3) for config in pair(
 # A frozen layer (requires_grad off, not in the optimizer) beside Nesterov momentum and AMSGrad.
 FROZEN = [config for optimizer in ("nesterov", "amsgrad") for stage in (1, 2, 3) for config in pair(
     {"zoo": "mlp", "optimizer": optimizer, "freeze": ["fc1.weight", "fc1.bias"], "steps": 3, "strategy": {}}, stage)]
+# AMP float16 with dynamic loss scaling (a scale that starts high and halves on each overflow).
+FP16 = {"amp": True, "amp_configs": {"dtype": "float16", "init_loss_scaling": 2.0**16, "decr_every_n_nan_or_inf": 1,
+                                     "decr_ratio": 0.5, "incr_every_n_steps": 1}}
+FP16_CONFIGS = [config for stage in (1, 2, 3)
+                for config in pair({"zoo": "mlp", "optimizer": "adam", "steps": 6, "strategy": FP16}, stage)]
 MERGE_CLIP_CONFIGS = [config for stage in (1, 2, 3) for config in merged_clipped(stage)]
 GROUP_CONFIGS = [config for optimizer in ("momentum", "adamw") for stage in (1, 2, 3)
                  for config in grouped(optimizer, stage)]
@@ -181,8 +186,9 @@ RECOMPUTE_CONFIGS = [config for stage in (1, 2, 3) for config in recomputed_bf16
 
 
 @FULL
-@pytest.mark.parametrize("configs", [MERGE_CLIP_CONFIGS, GROUP_CONFIGS, RECOMPUTE_CONFIGS, USER_LOOP, FROZEN],
-                         ids=["merge_clip", "param_groups", "recompute_bf16", "user_loop", "frozen"])
+@pytest.mark.parametrize("configs", [MERGE_CLIP_CONFIGS, GROUP_CONFIGS, RECOMPUTE_CONFIGS, USER_LOOP, FROZEN,
+                                     FP16_CONFIGS],
+                         ids=["merge_clip", "param_groups", "recompute_bf16", "user_loop", "frozen", "amp_fp16"])
 def test_full_review_matrix(tmp_path, configs):
     results = spawn(2, "train_configs", {"configs": configs}, tmp_path, deadline_s=600,
                     module="fleet.sharding_review_workers")
