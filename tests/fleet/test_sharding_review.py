@@ -20,8 +20,11 @@ import pytest
 import torch
 from zoo import ZOO
 
+import fleetc
+from fleet.sharding_review_workers import make_optimizer, user_batches
 from fleet.spawn import assert_all_ok, spawn
 from fleet.test_sharding import FP32_ATOL, sharded
+from fleet.workers import make_model, make_strategy
 from fleetc.cli import main
 
 FULL = pytest.mark.skipif(not os.environ.get("FLEETC_FULL"), reason="the rest of the review matrix: FLEETC_FULL=1")
@@ -236,3 +239,18 @@ def test_a_checkpoint_mid_gradient_merge_period_resumes_as_the_uninterrupted_run
     results = spawn(2, "resume_mid_period", {"configs": configs, "dir": str(tmp_path / "ckpt")}, tmp_path,
                     deadline_s=300, module="fleet.sharding_review_workers")
     check_resumed(results, configs)
+    for i, config in enumerate(configs):  # and in one process, on the whole batch
+        state = resumed_in_one_process(config, str(tmp_path / "ckpt" / f"ckpt{i}"))
+        for name, value in results[0].result[i]["continued_state"].items():
+            torch.testing.assert_close(state[name], value, msg=labelled(f"one process, {config['strategy']} {name}"))
+
+
+def resumed_in_one_process(config: dict, checkpoint: str) -> dict:
+    """A plain single-process trainer (gradient merge, no ranks) loads the checkpoint and trains the rest."""
+    model = make_model(config)
+    strategy = make_strategy({k: v for k, v in config["strategy"].items() if not k.startswith("sharding")})
+    trainer = fleetc.compile(model, strategy, optimizer=make_optimizer(model, config), loss_fn=ZOO["mlp"].loss_fn)
+    trainer.load_checkpoint(checkpoint)
+    for batch in user_batches(config)[config["save_after"]:]:
+        trainer.step(*batch)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
