@@ -182,6 +182,13 @@ FP16 = {"amp": True, "amp_configs": {"dtype": "float16", "init_loss_scaling": 2.
                                      "decr_ratio": 0.5, "incr_every_n_steps": 1}}
 FP16_CONFIGS = [config for stage in (1, 2, 3)
                 for config in pair({"zoo": "mlp", "optimizer": "adam", "steps": 6, "strategy": FP16}, stage)]
+# ClipGradByValue with one gradient per bucket, ClipGradByNorm under gradient merge (against data parallel only:
+# the eager reference clips by the global norm).
+OTHER_CLIPS = [dict(config, eager=False) for stage in (2, 3) for config in [
+    *pair({"zoo": "mlp", "optimizer": "momentum", "groups": True, "steps": 3, "grad_clip": ["value", 0.01],
+           "strategy": {"fuse_all_reduce_ops": False}}, stage),
+    *pair({"zoo": "mlp", "optimizer": "adamw", "groups": True, "steps": 4, "grad_clip": ["norm", 0.05],
+           "strategy": MERGE_CLIP}, stage)]]
 MERGE_CLIP_CONFIGS = [config for stage in (1, 2, 3) for config in merged_clipped(stage)]
 GROUP_CONFIGS = [config for optimizer in ("momentum", "adamw") for stage in (1, 2, 3)
                  for config in grouped(optimizer, stage)]
@@ -190,8 +197,9 @@ RECOMPUTE_CONFIGS = [config for stage in (1, 2, 3) for config in recomputed_bf16
 
 @FULL
 @pytest.mark.parametrize("configs", [MERGE_CLIP_CONFIGS, GROUP_CONFIGS, RECOMPUTE_CONFIGS, USER_LOOP, FROZEN,
-                                     FP16_CONFIGS],
-                         ids=["merge_clip", "param_groups", "recompute_bf16", "user_loop", "frozen", "amp_fp16"])
+                                     FP16_CONFIGS, OTHER_CLIPS],
+                         ids=["merge_clip", "param_groups", "recompute_bf16", "user_loop", "frozen", "amp_fp16",
+                              "other_clips"])
 def test_full_review_matrix(tmp_path, configs):
     results = spawn(2, "train_configs", {"configs": configs}, tmp_path, deadline_s=600,
                     module="fleet.sharding_review_workers")
