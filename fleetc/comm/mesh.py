@@ -27,9 +27,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleetc.errors import StrategyError
+from fleetc.strategy.fields import NEW_STYLE
 
 AXES = ("dp", "pp", "sharding", "mp")  # outermost first
 SHARDING_DEGREE_DEFAULT = 8  # sharding_configs.sharding_degree's Paddle default, read as "the rest of the world"
+# The newer fleetc.Strategy's name of each DistributedStrategy path it sets, so that an error names the field in
+# either style (sharding_configs.sharding_degree is sharding.degree there).
+_NEW_STYLE_NAMES = {target: f"{section}.{key}" for section, _, keys in NEW_STYLE for key, target in keys
+                    if isinstance(target, str)}
 
 
 @dataclass(frozen=True)
@@ -119,7 +124,7 @@ def resolve_mesh(config: Any, world_size: int, stages: int | None = None) -> tup
     if pp > 1 and (sharding < 1 or (world_size // pp) % sharding):
         raise StrategyError(f"{source} is {sharding}, which does not divide the {world_size // pp} ranks of each "
                             f"pipeline stage (world size {world_size} / {pp} stages): each stage is sharded over "
-                            "its own ranks")
+                            f"its own ranks{_in_new_style(source)}")
     _must_divide(world_size // pp, sharding, source)
     dp = dp_given if dp_given is not None else world_size // (pp * sharding)
     if dp_given is None and dp > 1:
@@ -165,4 +170,10 @@ def _sharding_degree(config: Any, hybrid_degree: int, rest: int, notes: list[str
 
 def _must_divide(world_size: int, degree: int, field: str) -> None:
     if degree < 1 or world_size % degree:
-        raise StrategyError(f"{field} is {degree}, which does not divide the world size {world_size}")
+        raise StrategyError(f"{field} is {degree}, which does not divide the world size {world_size}"
+                            f"{_in_new_style(field)}")
+
+
+def _in_new_style(field: str) -> str:
+    """Where fleetc.Strategy sets `field`, its name there, as a suffix of an error message."""
+    return f" (fleetc.Strategy: {_NEW_STYLE_NAMES[field]})" if field in _NEW_STYLE_NAMES else ""

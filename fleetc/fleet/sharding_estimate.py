@@ -33,13 +33,20 @@ def plan_for_world(trainer: CompiledTrainer, world_size: int) -> tuple[Any, list
 
 
 def format_plans(mesh: Any, plans: list[RankPlan], stage: int) -> str:
-    lines = [f"process mesh {mesh}; sharding stage {stage}: each sharding group holds {mesh.sharding} rank(s); "
-             "data-parallel replicas repeat the same plan",
-             f"{'rank':>5} {'params':>7} {'param MB':>9} {'grad MB':>9} {'state MB':>9} {'total MB':>9}"]
+    """The table `fleetc shard-plan` prints; stage 3 on flat buckets adds the parameters gathered in flight."""
+    flight = any(p.gathered_in_flight_bytes for p in plans)
+    lines = [(f"process mesh {mesh}; sharding stage {stage}: each sharding group holds {mesh.sharding} rank(s); "
+              "data-parallel replicas repeat the same plan"),
+             f"{'rank':>5} {'params':>7} {'param MB':>9} {'grad MB':>9} {'state MB':>9} {'total MB':>9}"
+             + (f" {'in flight MB':>13}" if flight else "")]
     for p in plans:
         lines.append(f"{p.rank:>5} {p.owned_params:>7} {p.parameter_bytes / MB:>9.3f} {p.gradient_bytes / MB:>9.3f} "
-                     f"{p.optimizer_state_bytes / MB:>9.3f} {p.total_bytes / MB:>9.3f}")
+                     f"{p.optimizer_state_bytes / MB:>9.3f} {p.total_bytes / MB:>9.3f}"
+                     + (f" {p.gathered_in_flight_bytes / MB:>13.3f}" if flight else ""))
     totals = [p.total_bytes for p in plans]
     lines.append(f"per rank: {min(totals) / MB:.3f} to {max(totals) / MB:.3f} MB (parameters, gradients kept for the "
                  "update, optimizer state; activations and collective buffers come on top)")
+    if flight:
+        lines.append(f"stage 3 also gathers up to {max(p.gathered_in_flight_bytes for p in plans) / MB:.3f} MB of "
+                     "parameters in flight per rank (in flight MB: the bucket in use and the one prefetched)")
     return "\n".join(lines) + "\n"

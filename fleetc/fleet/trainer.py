@@ -15,6 +15,7 @@ from fleetc.comm.mesh import ProcessMesh, resolve_mesh
 from fleetc.comm.plan import check_plans_agree, check_ranks_agree
 from fleetc.compiler import CompiledStep, CompiledTrainer
 from fleetc.errors import CheckpointError, StrategyError
+from fleetc.fleet.merge_state import averaged_accumulators
 from fleetc.fleet.pipeline_state import gather_stage_state, save_pipeline_checkpoint
 from fleetc.fleet.sharded_params import (
     HeldParameters,
@@ -244,6 +245,8 @@ class DataParallelTrainer(CompiledTrainer):
             return self._save_pipeline(dirname, rng, pipeline)
         self._gather_pipeline_stages()
         live = self._live_state()
+        program = self._last_train.program if self._last_train is not None else None
+        live.owned = averaged_accumulators(live.owned, program, self.world_size)  # mid gradient-merge period
         if self._owned is not None and self.optimizer is not None:  # sharded: each shard's entries in its own file
             coordinates = self.mesh.coordinates(env.rank())
             return save_sharded_checkpoint(dirname, live, self.config, rng, coordinates["sharding"],

@@ -30,6 +30,7 @@ class RankPlan:
     parameter_bytes: int
     gradient_bytes: int
     optimizer_state_bytes: int
+    gathered_in_flight_bytes: int = 0  # stage 3: parameters gathered at most at once, on top of total_bytes
 
     @property
     def total_bytes(self) -> int:
@@ -86,6 +87,10 @@ def _flat_params_plans(program: Program, degree: int, segment_mb: float, sizes: 
     shard of each bucket with updated parameters, and the state of its pieces of them."""
     buckets = parameter_buckets(program, degree, segment_mb, set(sizes))
     element = {v.name: v.nbytes() // max(var_numel(v), 1) for v in program.persistables() if v.kind is VarKind.PARAM}
+    # Each bucket is gathered whole (padded) in the forward and again in the backward; at most two gathered buckets
+    # are live, the one in use and the one prefetched (the trainer's `gathered_in_flight_bytes`).
+    gathered = sorted(b.segment * degree * element[b.names[0]] for b in buckets for _ in ("forward", "backward"))
+    in_flight = sum(gathered[-2:])
     plans = []
     for rank in range(degree):
         pieces = rank_pieces(buckets, rank)
@@ -94,5 +99,5 @@ def _flat_params_plans(program: Program, degree: int, segment_mb: float, sizes: 
                     if b.names[0] in sizes)
         updated = {p: piece for p, piece in pieces.items() if p in sizes}
         kept = sum(state.get(p, 0) * (hi - lo) // sizes[p] + fixed.get(p, 0) for p, (lo, hi) in updated.items())
-        plans.append(RankPlan(rank, len(updated), held, grads, kept))
+        plans.append(RankPlan(rank, len(updated), held, grads, kept, in_flight))
     return plans
