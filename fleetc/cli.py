@@ -23,7 +23,9 @@ from fleetc.errors import CommandError, ExportError, FleetcError
 from fleetc.fleet import export_sources, inference
 from fleetc.fleet.explain import add_explain_command
 from fleetc.fleet.launch import add_run_command
-from fleetc.fleet.sharding_estimate import format_plans, plan_for_world
+from fleetc.fleet.sharding_estimate import format_plans, measure_ranks, plan_for_world, representative_ranks
+from fleetc.fleet.trainer import DataParallelTrainer
+from fleetc.passes.sharding.estimate import RankPlan
 from fleetc.ir.liveness import MemoryEstimate
 from fleetc.ir.serialize import program_to_json, to_dict
 from fleetc.passes.manager import History, PassRecord
@@ -298,16 +300,45 @@ def export(options: argparse.Namespace) -> int:
 
 
 def shard_plan(options: argparse.Namespace) -> int:
-    """Compile the factory's step in this process and print every rank's sharding plan for --world-size ranks."""
-    spec = _step_spec(_call_factory(_import_factory(options.factory), options.factory), options.factory)
-    strategy = _load_strategy(options.strategy) if options.strategy else spec.strategy
+    """Compile the factory's step in this process and print every rank's sharding plan for --world-size ranks,
+    beside what the real trainer holds on the --measure-ranks ranks under torch's fake process group."""
+    def make() -> tuple[StepSpec, Any]:
+        spec = _step_spec(_call_factory(_import_factory(options.factory), options.factory), options.factory)
+        return spec, _load_strategy(options.strategy) if options.strategy else spec.strategy
+
+    spec, strategy = make()
     trainer = fleetc.compile(spec.model, strategy, optimizer=spec.optimizer, loss_fn=spec.loss_fn)
     if not trainer.config.sharding:
         raise CommandError("the strategy does not turn sharding on (strategy.sharding = True)")
     trainer.step(*spec.args, **spec.kwargs)
     mesh, plans = plan_for_world(trainer, options.world_size)
-    sys.stdout.write(format_plans(mesh, plans, trainer.config.sharding_configs.stage))
+    ranks = _measured_ranks(options.measure_ranks, plans)
+
+    def rank_trainer() -> tuple[DataParallelTrainer, tuple, dict]:
+        spec, strategy = make()
+        return (DataParallelTrainer(spec.model, strategy, optimizer=spec.optimizer, loss_fn=spec.loss_fn),
+                spec.args, spec.kwargs)
+
+    measured = measure_ranks(rank_trainer, mesh, ranks)
+    sys.stdout.write(format_plans(mesh, plans, trainer.config.sharding_configs.stage, measured))
     return 0
+
+
+def _measured_ranks(text: str | None, plans: list[RankPlan]) -> list[int]:
+    """--measure-ranks: default a few representative ranks, 'all', 'none', or a comma-separated list."""
+    if text is None:
+        return representative_ranks(plans)
+    if text in ("all", "none"):
+        return [p.rank for p in plans] if text == "all" else []
+    try:
+        ranks = sorted({int(part) for part in text.split(",")})
+    except ValueError:
+        raise CommandError(f"--measure-ranks {text!r}: expected 'all', 'none' or ranks like 0,63") from None
+    outside = [r for r in ranks if not 0 <= r < len(plans)]
+    if outside:
+        raise CommandError(f"--measure-ranks {text!r}: rank(s) {outside} are outside the sharding group "
+                           f"(ranks 0 to {len(plans) - 1})")
+    return ranks
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -377,6 +408,10 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_argument("--world-size", type=int, required=True, metavar="N", help="ranks to plan for")
     planner.add_argument("--strategy", metavar="FILE",
                          help="a DistributedStrategy as .json or .prototxt; overrides the factory's strategy")
+    planner.add_argument("--measure-ranks", metavar="all|none|N,M",
+                         help="sharding ranks whose real trainer runs one step under torch's fake process group, "
+                              "its held bytes printed as 'measured MB' (default: the first, the last and one "
+                              "whose piece is padding only, if any)")
     return parser
 
 

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from fleetc.comm.env import collective_timeout
+from fleetc.comm.fake_group import skipped_under_fake_group
 from fleetc.comm.faults import collective_failed
 from fleetc.errors import CollectiveError
 from fleetc.ir.program import OpRole, Program, Ref
@@ -36,8 +37,11 @@ def check_ranks_agree(label: str, facts: dict[str, list[str]], advice: str) -> N
     """Raise CollectiveError on every rank when any rank's `facts` (what → lines) differ from rank 0's.
 
     One fixed-size gather of a digest per kind of fact, bounded by the collective timeout: cheap, and a rank
-    that is missing makes the others fail here (naming it), before anything could hang.
+    that is missing makes the others fail here (naming it), before anything could hang. Skipped (and recorded)
+    under torch's fake process group, whose gather returns no digests (comm/fake_group.py).
     """
+    if skipped_under_fake_group(label):
+        return
     mine = torch.tensor([_digest(lines) for lines in facts.values()], dtype=torch.int64)
     gathered = torch.empty(dist.get_world_size() * len(facts), dtype=torch.int64)
     timeout = collective_timeout()
