@@ -85,3 +85,9 @@ def mlp_pipeline() -> dict:
     strategy.pipeline_configs = {"micro_batch_size": 4, "accumulate_steps": 4, "schedule_mode": "ZBH1"}
     strategy.hybrid_configs = {"pp_degree": 2}
     return {**_mlp_step(), "strategy": strategy}
+
+
+def mlp_adam() -> dict:
+    """The zoo MLP with Adam (optimizer state to shard) and no strategy: `fleetc shard-plan --strategy` sets one."""
+    spec = _mlp_step()
+    return {**spec, "optimizer": torch.optim.Adam(spec["model"].parameters(), lr=1e-3)}
