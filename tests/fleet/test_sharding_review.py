@@ -166,7 +166,7 @@ def test_shard_plan_for_64_ranks_at_stage_3_prints_each_rank_and_what_is_gathere
     for row in rows:
         assert float(row[5]) == pytest.approx(8 * segment / 2**20, abs=1e-3), row  # parameters + gradients
     assert in_flight_column(lines) == [round(2 * 4 * segment * 64 / 2**20, 3)] * 64
-    assert lines[-1].startswith("stage 3 also gathers up to")
+    assert any(line.startswith("stage 3 also gathers up to") for line in lines)  # the measured ranks' notes follow
 
 
 # A user's loop: an LR scheduler stepped after each step, an evaluation call between steps, and a last smaller
