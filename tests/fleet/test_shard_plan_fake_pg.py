@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import pathlib
 
 import pytest
 import torch.distributed as dist
@@ -96,3 +97,17 @@ def test_the_fake_group_refuses_a_live_group_and_is_destroyed_on_error(tmp_path)
             assert under_fake_group() and dist.get_rank() == 3 and dist.get_world_size() == WORLD
             raise RuntimeError("factory failed")
     assert not dist.is_initialized() and not under_fake_group()
+
+
+def test_the_docs_example_is_what_shard_plan_prints():
+    """docs/sharding.md's shard-plan example: every line it shows (up to its '...') is a line of the real output."""
+    page = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "sharding.md").read_text()
+    block = page.split("$ fleetc shard-plan cli_factories:gpt_sharded --world-size 64\n", 1)[1].split("```", 1)[0]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["shard-plan", "cli_factories:gpt_sharded", "--world-size", "64"]) == 0
+    printed = out.getvalue().splitlines()
+    shown = [line.removesuffix("...") for line in block.splitlines() if line.strip() != "..."]
+    assert len(shown) == 9
+    for line in shown:
+        assert any(p.startswith(line) for p in printed), line
