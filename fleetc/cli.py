@@ -23,14 +23,19 @@ from fleetc.errors import CommandError, ExportError, FleetcError
 from fleetc.fleet import export_sources, inference
 from fleetc.fleet.explain import add_explain_command
 from fleetc.fleet.launch import add_run_command
-from fleetc.fleet.sharding_estimate import format_plans, measure_ranks, plan_for_world, representative_ranks
+from fleetc.fleet.sharding_estimate import (
+    format_plans,
+    measure_ranks,
+    plan_for_world,
+    representative_ranks,
+)
 from fleetc.fleet.trainer import DataParallelTrainer
-from fleetc.passes.sharding.estimate import RankPlan
 from fleetc.ir.liveness import MemoryEstimate
 from fleetc.ir.serialize import program_to_json, to_dict
 from fleetc.passes.manager import History, PassRecord
 from fleetc.passes.order import all_pass_names
 from fleetc.passes.pipeline_parallel.split import format_pipeline
+from fleetc.passes.sharding.estimate import RankPlan
 from fleetc.strategy import load_strategy_file
 from fleetc.strategy.atomic import write_atomically
 from fleetc.strategy.names import closest

@@ -9,8 +9,8 @@ would be whatever the output buffer held. Under the fake group such a check is s
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch.distributed as dist
 
@@ -45,7 +45,9 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[list[str]]:
         raise CollectiveError(f"cannot measure rank {rank} of {world_size} under torch's fake process group: a "
                               f"process group ({dist.get_backend()}) is already initialized in this process; run "
                               "fleetc shard-plan outside a distributed job")
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # torch's own, only needed here
+    from torch.testing._internal.distributed.fake_pg import (
+        FakeStore,  # torch's own, only needed here
+    )
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     skipped: list[str] = []

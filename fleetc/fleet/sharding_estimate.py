@@ -11,8 +11,9 @@ numbers are meaningless, but its Programs, plan and the bytes the rank holds are
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from fleetc.comm.fake_group import fake_process_group
 from fleetc.comm.mesh import ProcessMesh, resolve_mesh

@@ -19,7 +19,11 @@ import fleetc
 from fleetc.cli import main
 from fleetc.comm.fake_group import fake_process_group, under_fake_group
 from fleetc.errors import CollectiveError
-from fleetc.fleet.sharding_estimate import measure_ranks, plan_for_world, representative_ranks
+from fleetc.fleet.sharding_estimate import (
+    measure_ranks,
+    plan_for_world,
+    representative_ranks,
+)
 from fleetc.fleet.trainer import DataParallelTrainer
 
 WORLD = 64
@@ -86,16 +90,14 @@ def test_shard_plan_prints_the_measured_column_and_names_the_fake_group(tmp_path
 def test_the_fake_group_refuses_a_live_group_and_is_destroyed_on_error(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        with pytest.raises(CollectiveError, match="already initialized"):
-            with fake_process_group(0, WORLD):
-                pass
+        with pytest.raises(CollectiveError, match="already initialized"), fake_process_group(0, WORLD):
+            pass
         assert dist.get_backend() == "gloo"  # the real group is untouched
     finally:
         dist.destroy_process_group()
-    with pytest.raises(RuntimeError, match="factory failed"):
-        with fake_process_group(3, WORLD):
-            assert under_fake_group() and dist.get_rank() == 3 and dist.get_world_size() == WORLD
-            raise RuntimeError("factory failed")
+    with pytest.raises(RuntimeError, match="factory failed"), fake_process_group(3, WORLD):
+        assert under_fake_group() and dist.get_rank() == 3 and dist.get_world_size() == WORLD
+        raise RuntimeError("factory failed")
     assert not dist.is_initialized() and not under_fake_group()
 
 
