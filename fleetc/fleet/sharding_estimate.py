@@ -103,16 +103,18 @@ def format_plans(mesh: Any, plans: list[RankPlan], stage: int, measured: Sequenc
 
 
 def measurement_notes(plans: list[RankPlan], measured: Sequence[Measured]) -> list[str]:
-    """What was measured and how, each measured rank whose total is more than TOLERANCE from the estimate, and the
-    checks skipped under the fake process group."""
-    estimate = {p.rank: p.total_bytes for p in plans}
+    """What was measured and how, each measured rank whose total (or stage 3's bytes in flight) is more than
+    TOLERANCE from the estimate, and the checks skipped under the fake process group."""
     ranks = ", ".join(str(m.rank) for m in measured)
     lines = [f"measured MB: rank(s) {ranks} ran the trainer's first step under torch's fake process group (no data "
              "moves: losses are meaningless; Programs, plans and held bytes are real)"]
     for m in measured:
-        if abs(m.total_bytes - estimate[m.rank]) > TOLERANCE * max(estimate[m.rank], 1):
-            lines.append(f"rank {m.rank}: measured {m.total_bytes / MB:.3f} MB differs from the estimate "
-                         f"{estimate[m.rank] / MB:.3f} MB by more than {TOLERANCE:.0%}")
+        plan = next(p for p in plans if p.rank == m.rank)
+        for what, seen, guess in [("", m.total_bytes, plan.total_bytes),
+                                  (" in flight", m.stats["gathered_in_flight_bytes"], plan.gathered_in_flight_bytes)]:
+            if abs(seen - guess) > TOLERANCE * max(guess, 1):
+                lines.append(f"rank {m.rank}: measured{what} {seen / MB:.3f} MB differs from the estimate "
+                             f"{guess / MB:.3f} MB by more than {TOLERANCE:.0%}")
     skipped = list(dict.fromkeys(check for m in measured for check in m.skipped))
     for check in skipped:
         lines.append(f"skipped under the fake process group (its collectives return no data): {check}")

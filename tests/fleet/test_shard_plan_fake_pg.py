@@ -20,11 +20,14 @@ from fleetc.cli import main
 from fleetc.comm.fake_group import fake_process_group, under_fake_group
 from fleetc.errors import CollectiveError
 from fleetc.fleet.sharding_estimate import (
+    Measured,
     measure_ranks,
+    measurement_notes,
     plan_for_world,
     representative_ranks,
 )
 from fleetc.fleet.trainer import DataParallelTrainer
+from fleetc.passes.sharding.estimate import RankPlan
 
 WORLD = 64
 KINDS = ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "total_bytes")
@@ -113,3 +116,14 @@ def test_the_docs_example_is_what_shard_plan_prints():
     assert len(shown) == 9
     for line in shown:
         assert any(p.startswith(line) for p in printed), line
+
+
+def test_a_measurement_more_than_10_percent_off_gets_a_line():
+    plans = [RankPlan(0, 1, 1000, 1000, 0), RankPlan(1, 0, 1000, 0, 0, gathered_in_flight_bytes=4096)]
+    stats = {"total_bytes": 2150, "gathered_in_flight_bytes": 0}  # rank 0: 7.5% over; rank 1: 115% over, none in flight
+    measured = [Measured(0, 0, stats, ("plan check",)), Measured(1, 1, stats, ("plan check",))]
+    notes = measurement_notes(plans, measured)
+    assert [n for n in notes if "differs" in n] == [
+        "rank 1: measured 0.002 MB differs from the estimate 0.001 MB by more than 10%",
+        "rank 1: measured in flight 0.000 MB differs from the estimate 0.004 MB by more than 10%"]
+    assert notes[-1] == "skipped under the fake process group (its collectives return no data): plan check"
