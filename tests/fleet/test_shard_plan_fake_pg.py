@@ -33,32 +33,37 @@ WORLD = 64
 KINDS = ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "total_bytes")
 
 
-def strategy(stage: int) -> fleetc.DistributedStrategy:
+def strategy(stage: int, dp: int = 1) -> fleetc.DistributedStrategy:
     s = fleetc.DistributedStrategy()
     s.sharding = True
-    s.sharding_configs = {"stage": stage}
+    s.sharding_configs = {"stage": stage, "sharding_degree": WORLD // dp}
+    if dp > 1:
+        s.hybrid_configs = {"dp_degree": dp}
     return s
 
 
-def rank_trainer(stage: int):
+def rank_trainer(stage: int, dp: int):
     spec = mlp_adam()
-    trainer = DataParallelTrainer(spec["model"], strategy(stage), optimizer=spec["optimizer"], loss_fn=spec["loss_fn"])
+    trainer = DataParallelTrainer(spec["model"], strategy(stage, dp), optimizer=spec["optimizer"],
+                                  loss_fn=spec["loss_fn"])
     return trainer, spec["args"], {}
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_measured_bytes_of_64_ranks_under_the_fake_group_match_the_estimate(stage):
+@pytest.mark.parametrize(("stage", "dp"), [(1, 1), (2, 1), (3, 1), (2, 2)])
+def test_measured_bytes_of_64_ranks_under_the_fake_group_match_the_estimate(stage, dp):
     spec = mlp_adam()
-    trainer = fleetc.compile(spec["model"], strategy(stage), optimizer=spec["optimizer"], loss_fn=spec["loss_fn"])
+    trainer = fleetc.compile(spec["model"], strategy(stage, dp), optimizer=spec["optimizer"],
+                             loss_fn=spec["loss_fn"])
     trainer.step(*spec["args"])
     mesh, plans = plan_for_world(trainer, WORLD)
+    assert (mesh.dp, mesh.sharding, len(plans)) == (dp, WORLD // dp, WORLD // dp)
     ranks = representative_ranks(plans)
-    assert ranks[0] == 0 and ranks[-1] == WORLD - 1
-    measured = measure_ranks(lambda: rank_trainer(stage), mesh, ranks)
+    assert ranks[0] == 0 and ranks[-1] == WORLD // dp - 1
+    measured = measure_ranks(lambda: rank_trainer(stage, dp), mesh, ranks)
     assert not dist.is_initialized()  # each rank's fake group is gone
     assert [m.rank for m in measured] == ranks
     for m in measured:
-        assert m.stats["stage"] == stage and m.stats["degree"] == WORLD
+        assert m.stats["stage"] == stage and m.stats["degree"] == WORLD // dp
         estimate = plans[m.rank]
         for kind in KINDS:
             assert m.stats[kind] == pytest.approx(getattr(estimate, kind), rel=0.10, abs=0), (m.rank, kind)
