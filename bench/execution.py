@@ -8,10 +8,8 @@ import copy
 import json
 import math
 import pathlib
-import statistics
 import subprocess
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +18,7 @@ from torch import nn
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 
 from conftest import eager_step
+from cpu_steps import interleaved_ms
 from zoo import OPTIMIZERS, ZOO, ZooEntry
 
 import fleetc
@@ -94,15 +93,10 @@ def step_times(entry: ZooEntry, args: argparse.Namespace) -> dict[str, float]:
     g = torch.Generator().manual_seed(0)
     batches = [entry.make_batch(g) for _ in range(args.steps + args.warmup + 1)]
     variants = runners(entry, args.optimizer)
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    names = list(variants)
-    for i, (a, k) in enumerate(batches):
-        for name in names[i % len(names):] + names[:i % len(names)]:
-            start = time.perf_counter()
-            variants[name](*a, **k)
-            if i > args.warmup:
-                times[name].append(time.perf_counter() - start)
-    return {name: 1000 * statistics.median(t) for name, t in times.items()}
+    for a, k in batches[:args.warmup + 1]:
+        for step in variants.values():
+            step(*a, **k)
+    return interleaved_ms(variants, batches[args.warmup + 1:], "median")
 
 
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
