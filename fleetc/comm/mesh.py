@@ -106,7 +106,7 @@ def resolve_mesh(config: Any, world_size: int, stages: int | None = None) -> tup
     if hybrid.mp_degree != 1:
         raise StrategyError(f"hybrid_configs.mp_degree is {hybrid.mp_degree}: tensor (model) parallelism is not "
                             "implemented in fleetc; set it to 1")
-    pp = _pipeline_degree(config, hybrid.pp_degree, stages)
+    pp = pipeline_degree(config, hybrid.pp_degree, stages)
     vpp = config.pipeline_configs.vpp_degree if config.pipeline and stages else 1
     if vpp > 1:  # interleaved 1F1B: each pipeline rank holds vpp_degree of the device_guard stages
         if pp % vpp:
@@ -136,7 +136,9 @@ def resolve_mesh(config: Any, world_size: int, stages: int | None = None) -> tup
     return mesh, notes
 
 
-def _pipeline_degree(config: Any, pp_degree: int, stages: int | None) -> int:
+def pipeline_degree(config: Any, pp_degree: int, stages: int | None) -> int:
+    """The number of pipeline stages: 1 without `strategy.pipeline`, else the model's `device_guard` stage count
+    (`stages`, None without annotations) or `hybrid_configs.pp_degree`; StrategyError when they disagree."""
     if not config.pipeline:
         if pp_degree > 1:
             raise StrategyError(f"hybrid_configs.pp_degree is {pp_degree} but strategy.pipeline is off: "

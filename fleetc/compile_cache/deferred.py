@@ -20,7 +20,7 @@ from typing import Any
 from fleetc.errors import FleetcError
 from fleetc.ir.program import Program
 from fleetc.ir.serialize import (
-    _VERSION_KEY,
+    FORMAT_KEY,
     FORMAT_VERSION,
     decode_value,
     program_from_json,
@@ -86,7 +86,7 @@ class DeferredProgram(Program):
 
     def __init__(self, text: str, ops: int, source: str):  # Program's fields are properties here
         header = program_header(text)
-        if header.get(_VERSION_KEY) != FORMAT_VERSION:
+        if header.get(FORMAT_KEY) != FORMAT_VERSION:
             raise ValueError(f"not a fleetc Program of format version {FORMAT_VERSION}")
         if not isinstance(header.get("metadata"), dict) or not isinstance(ops, int) or isinstance(ops, bool):
             raise TypeError("the entry's Program has no metadata object or no op count")

@@ -3,7 +3,6 @@ torch.distributed.rpc (docs/parameter_server.md)."""
 from __future__ import annotations
 
 import contextlib
-
 import os
 from typing import Any, Callable
 
@@ -99,13 +98,13 @@ class Fleet:
         """Prepare this server: from the checkpoint `dirname` (fleet.save_persistables of a PS job), else from
         worker 0's initial parameters when it builds its trainer."""
         self._ps(server=True, call="init_server")
-        ps_server._server().init(read_checkpoint(dirname) if dirname else None)
+        ps_server.current_server().init(read_checkpoint(dirname) if dirname else None)
 
     def run_server(self) -> None:
         """Serve until every worker has called stop_worker(), then leave the job; ParameterServerError (after
         leaving at once) when a worker was silent for the rpc timeout."""
         self._ps(server=True, call="run_server")
-        server = ps_server._server()
+        server = ps_server.current_server()
         if not server.initialized.is_set():
             raise FleetcError("call fleet.init_server() before fleet.run_server()")
         try:

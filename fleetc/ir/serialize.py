@@ -19,7 +19,7 @@ from fleetc.ir.program import Block, Op, Program, Ref, Var, VarKind
 from fleetc.ir.sym_parse import make_symbols, parse_sym
 
 FORMAT_VERSION = 2  # 2: fused_gemm_epilogue gained keep_pre_act
-_VERSION_KEY = "fleetc_program"
+FORMAT_KEY = "fleetc_program"  # the top-level key holding FORMAT_VERSION in a serialized Program
 # torch singletons stored by their attribute name on the torch module.
 _TORCH_TAGS = {"$dtype": torch.dtype, "$layout": torch.layout, "$memory_format": torch.memory_format}
 
@@ -138,7 +138,7 @@ def _op_from_dict(data: dict, decode: Callable[[Any], Any]) -> Op:
 def to_dict(program: Program) -> dict:
     """The Program as plain JSON data (format version included); TypeError names any unencodable value."""
     return {
-        _VERSION_KEY: FORMAT_VERSION,
+        FORMAT_KEY: FORMAT_VERSION,
         "feeds": list(program.feeds),
         "fetches": encode_value(dict(program.fetches), "program fetches"),  # a "$key" becomes a tagged $dict
         "metadata": encode_value(program.metadata, "program metadata"),
@@ -154,10 +154,10 @@ def from_dict(data: dict) -> Program:
 
 def _build(data: dict, decode: Callable[[Any], Any]) -> Program:
     """The Program of `to_dict` data whose values `decode` turns into Python values (identity when decoded)."""
-    version = data.get(_VERSION_KEY) if isinstance(data, dict) else None
+    version = data.get(FORMAT_KEY) if isinstance(data, dict) else None
     if version != FORMAT_VERSION:
         raise ValueError(f"not a fleetc Program of format version {FORMAT_VERSION} "
-                         f"({_VERSION_KEY!r} is {version!r}); was it written by another fleetc version?")
+                         f"({FORMAT_KEY!r} is {version!r}); was it written by another fleetc version?")
     blocks = [Block(b["idx"], b["parent_idx"], [_op_from_dict(op, decode) for op in b["ops"]],
                     {v["name"]: _var_from_dict(v, decode) for v in b["vars"]}) for b in data["blocks"]]
     return Program(blocks, list(data["feeds"]), dict(decode(data["fetches"])), decode(data["metadata"]))

@@ -42,7 +42,8 @@ class Kind:
         return self.check(value, path)
 
 
-def _type_error(path: str, expected: str, value: Any) -> StrategyError:
+def wrong_type_error(path: str, expected: str, value: Any) -> StrategyError:
+    """The error for field `path` given a value of the wrong type: what it expects and what it got."""
     return StrategyError(f"{path} expects {expected}, got {type(value).__name__} {value!r}")
 
 
@@ -73,7 +74,7 @@ class Bool(Kind):
 
     def check(self, value: Any, path: str) -> bool:
         if not isinstance(value, bool):
-            raise _type_error(path, "bool", value)
+            raise wrong_type_error(path, "bool", value)
         return value
 
     def to_text(self, value: bool) -> list[str]:
@@ -103,7 +104,7 @@ class Int(Kind):
 
     def check(self, value: Any, path: str) -> int:
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise _type_error(path, "int", value)
+            raise wrong_type_error(path, "int", value)
         value = int(value)
         if self.choices and value not in self.choices:
             raise StrategyError(f"{path} must be one of {', '.join(map(str, self.choices))}, got {value}")
@@ -124,7 +125,7 @@ class Float(Kind):
 
     def check(self, value: Any, path: str) -> float:
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise _type_error(path, "a number (float)", value)
+            raise wrong_type_error(path, "a number (float)", value)
         value = float(value)
         if not math.isfinite(value):
             raise StrategyError(f"{path} must be a finite number, got {value}")
@@ -147,7 +148,7 @@ class Choice(Kind):
 
     def check(self, value: Any, path: str) -> str:
         if not isinstance(value, str):
-            raise _type_error(path, self.describe(), value)
+            raise wrong_type_error(path, self.describe(), value)
         if value not in self.choices:
             hint = closest(value, self.choices)
             suggestion = f"; did you mean {hint!r}?" if hint else ""
@@ -169,7 +170,7 @@ class Text(Kind):
 
     def check(self, value: Any, path: str) -> str:
         if not isinstance(value, str):
-            raise _type_error(path, self.describe(), value)
+            raise wrong_type_error(path, self.describe(), value)
         return str(value)
 
     def to_text(self, value: str) -> list[str]:
@@ -207,7 +208,7 @@ class ListOf(Kind):
 
     def check(self, value: Any, path: str) -> tuple:
         if not isinstance(value, (list, tuple)):
-            raise _type_error(path, self.describe(), value)
+            raise wrong_type_error(path, self.describe(), value)
         for item in value:
             if isinstance(item, bool) or not isinstance(item, self.item):
                 raise StrategyError(f"{path} expects {self.describe()}, got item {item!r} "

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleetc.errors import StrategyError
-from fleetc.strategy.kinds import Kind, _type_error
+from fleetc.strategy.kinds import Kind, wrong_type_error
 from fleetc.strategy.textformat import Entry, Word, quote
 
 _BOOL_WORDS = {"true": True, "false": False}
@@ -36,7 +36,7 @@ def _scalar(value: Any, path: str) -> Any:
         raise StrategyError(f"{path} must be a finite number, got {value!r}")
     if isinstance(value, (bool, int, float, str)):
         return value
-    raise _type_error(path, "a bool, number or string", value)
+    raise wrong_type_error(path, "a bool, number or string", value)
 
 
 def _value(value: Any, path: str) -> Any:
@@ -49,7 +49,7 @@ def _value(value: Any, path: str) -> Any:
 
 def _message(value: Any, path: str) -> MessageValue:
     if not isinstance(value, Mapping):
-        raise _type_error(path, "a message (a dict of field names to values)", value)
+        raise wrong_type_error(path, "a message (a dict of field names to values)", value)
     checked = MessageValue()
     for name, item in value.items():
         if not isinstance(name, str) or not name.isidentifier():
@@ -95,7 +95,7 @@ class Message(Kind):
         if not self.repeated:
             return _message(value, path)
         if not isinstance(value, (list, tuple)):
-            raise _type_error(path, self.describe(), value)
+            raise wrong_type_error(path, self.describe(), value)
         return tuple(_message(item, f"{path}[{i}]") for i, item in enumerate(value))
 
     def from_text(self, value: Any, path: str) -> MessageValue | tuple[MessageValue, ...]:

@@ -70,7 +70,7 @@ def grad_clip(config: dict) -> fleetc.ClipGradByGlobalNorm | None:
 def _die_after_setup() -> None:
     """Server 0 dies 2 s after worker 0 set it up (workers are mid-training then)."""
     from fleetc.comm.ps import server
-    while not server._server().ready.done():
+    while not server.current_server().ready.done():
         time.sleep(0.1)
     time.sleep(2)
     os._exit(4)

@@ -233,20 +233,21 @@ def start(server: Server) -> None:
     _SERVER = server
 
 
-def _server() -> Server:
+def current_server() -> Server:
+    """This process's parameter server (the one `start` registered); ParameterServerError when there is none."""
     if _SERVER is None:
         raise ParameterServerError("this process is not a running parameter server (fleet.init_server() not called)")
     return _SERVER
 
 
 def handle_setup(worker: int, placement: Placement, spec: dict, mode: str, barrier: bool, values: dict) -> None:
-    _server().seen(worker)
-    _server().setup(placement, spec, mode, barrier, values)
+    current_server().seen(worker)
+    current_server().setup(placement, spec, mode, barrier, values)
 
 
 @rpc.functions.async_execution
 def handle_wait_ready(worker: int, placement: Placement) -> Future:
-    server = _server()
+    server = current_server()
     server.seen(worker)
 
     def check(ready: Future) -> None:
@@ -255,31 +256,31 @@ def handle_wait_ready(worker: int, placement: Placement) -> Future:
 
 
 def handle_pull_dense(worker: int, names: list[str]) -> list[torch.Tensor]:
-    return _server().pull_dense(worker, names)
+    return current_server().pull_dense(worker, names)
 
 
 def handle_pull_rows(worker: int, table: str, rows: torch.Tensor) -> torch.Tensor:
-    return _server().pull_rows(worker, table, rows)
+    return current_server().pull_rows(worker, table, rows)
 
 
 @rpc.functions.async_execution
 def handle_push(worker: int, step: int, dense: dict, rows: dict, lr: float) -> Future:
-    return _server().push(worker, step, dense, rows, lr)
+    return current_server().push(worker, step, dense, rows, lr)
 
 
 @rpc.functions.async_execution
 def handle_barrier(worker: int, count: int) -> Future:
-    return _server().barrier(worker, count)
+    return current_server().barrier(worker, count)
 
 
 def handle_snapshot(worker: int) -> dict:
-    _server().seen(worker)
-    return _server().snapshot()
+    current_server().seen(worker)
+    return current_server().snapshot()
 
 
 def handle_heartbeat(worker: int) -> None:
-    _server().seen(worker)
+    current_server().seen(worker)
 
 
 def handle_stop(worker: int) -> None:
-    _server().stop(worker)
+    current_server().stop(worker)

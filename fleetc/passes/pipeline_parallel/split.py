@@ -16,7 +16,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from fleetc.comm.mesh import _pipeline_degree
+from fleetc.comm.mesh import pipeline_degree
 from fleetc.errors import PassStrategyError, StrategyError
 from fleetc.ir.program import Program, VarKind
 from fleetc.passes.base import PassReport
@@ -55,7 +55,7 @@ class PipelineSplit:
             return self._forward_only(program, pipe, report)
         annotated = has_stage_annotations(program)
         with _as_pass_error():
-            stages = _pipeline_degree(config, config.hybrid_configs.pp_degree,
+            stages = pipeline_degree(config, config.hybrid_configs.pp_degree,
                                       assign_stages(program).count if annotated else None)
         if stages == 1:
             report.skipped_reason = ("one stage: the model has no device_guard('stage:N') annotations and "
