@@ -249,6 +249,7 @@ class CompiledTrainer:
                 raise
             program, out_spec = self._capture_and_store(key, kind, args, kwargs, dynamic)
             final, history, report = self._optimize(program, time.perf_counter() - start)
+        self.compile_cache.rebuild_when_damaged(program, lambda: self._capture(kind, args, kwargs, dynamic)[0])
         progress_stage("codegen")
         executable = Executable(final, measure_memory=self.measure_memory, cpu_kernels=self.cpu_kernels,
                                 num_threads=self.execution.threads)

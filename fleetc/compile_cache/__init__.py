@@ -19,7 +19,7 @@ import dataclasses
 import json
 import os
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,20 +29,20 @@ from torch.utils._pytree import TreeSpec, tree_flatten, treespec_dumps, treespec
 
 from fleetc.capture.dynamic import DynamicDims
 from fleetc.capture.hooks import hook_dicts
-from fleetc.ir.liveness import MemoryEstimate
-from fleetc.ir.program import Program
-from fleetc.ir.serialize import program_from_json, program_to_json
-from fleetc.passes.base import PassReport
-from fleetc.passes.manager import History, PassRecord
-from fleetc.report import CompileReport
+from fleetc.compile_cache.deferred import CompileCacheError, DeferredProgram
 from fleetc.compile_cache.fingerprint import (
     code_fingerprint,
     config_fingerprint,
     digest,
     environment_fingerprint,
 )
-from fleetc.compile_cache.deferred import CompileCacheError, DeferredProgram
 from fleetc.compile_cache.store import CompileCacheWarning, EntryStore
+from fleetc.ir.liveness import MemoryEstimate
+from fleetc.ir.program import Program
+from fleetc.ir.serialize import program_from_json, program_to_json
+from fleetc.passes.base import PassReport
+from fleetc.passes.manager import History, PassRecord
+from fleetc.report import CompileReport
 from fleetc.runtime.guards import GuardRecord, input_key, observe_guards
 
 MODES = ("off", "passes", "capture")
@@ -246,6 +246,22 @@ class CompileCache:
         self.lines = [f"capture: miss: the entry's Program is damaged, captured again (key {_short(key)})"]
         self._text = self._hit = None
         return key
+
+    def rebuild_when_damaged(self, program: Program, capture: Callable[[], Program]) -> None:
+        """After a compile that used `program`, this compile's capture hit, without decoding its ops (a full hit):
+        should their first use find them damaged, warn naming the entry file, delete it (the next compile captures
+        and stores a good one) and use `capture()`'s Program, the model captured again on this compile's inputs.
+        Nothing read from the entry runs either way."""
+        if self._hit is None or self._hit[1] is not program or not isinstance(program, DeferredProgram):
+            return
+        key = self._hit[0]
+
+        def rebuilt(error: CompileCacheError) -> Program:
+            self._ignore("capture", key, f"{error.reason}; its Program is captured again")
+            self.store.path("capture", key).unlink(missing_ok=True)
+            return capture()
+
+        program.rebuild = rebuilt
 
     @staticmethod
     def _guard_mismatch(record: GuardRecord, kind: str, model: nn.Module, optimizer: torch.optim.Optimizer | None,

@@ -8,14 +8,15 @@ up to its metadata (fleetc's writer puts the blocks last), through the same rest
 and the rest is decoded by `program_from_json` when something reads the blocks, feeds or fetches (a passes miss,
 `verify=True`, printing `trainer.history[0].program`). That decode checks that the op count stored beside the text
 and the metadata the guard check used are the text's own; an entry that fails it raises CompileCacheError, which
-the compile that hit it answers by capturing again (CompileCache.capture_again), so it does not reach the user
-unless the Program is first used after the compile (a full hit's `trainer.history[0].program`).
+the compile that hit it answers by capturing again (CompileCache.capture_again). A first use after the compile (a
+full hit's `trainer.history[0].program`) calls `rebuild` instead, which the compile sets
+(CompileCache.rebuild_when_damaged): it warns naming the entry file and captures the model again.
 """
 from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, Callable
 
 from fleetc.errors import FleetcError
 from fleetc.ir.program import Program
@@ -78,7 +79,9 @@ def _delegated(name: str) -> property:
 
 class DeferredProgram(Program):
     """A Program whose metadata and op count are known and whose blocks, feeds and fetches are decoded from
-    `text` on first use. `clone()` gives a plain Program, so passes never see this class."""
+    `text` on first use. `clone()` gives a plain Program, so passes never see this class. `rebuild`, when set,
+    answers an entry that does not decode with a Program built another way (the error says why); unset, the
+    CompileCacheError is raised."""
 
     blocks = _delegated("blocks")
     feeds = _delegated("feeds")
@@ -93,20 +96,31 @@ class DeferredProgram(Program):
         self.metadata = decode_value(header["metadata"])
         self._text, self._ops, self._source = text, ops, source
         self._full: Program | None = None
+        self.rebuild: Callable[[CompileCacheError], Program] | None = None
 
     def decoded(self) -> Program:
-        """The whole Program (decoded once, checked against what was used before it was decoded)."""
+        """The whole Program (decoded once, checked against what was used before it was decoded; else rebuilt)."""
         if self._full is None:
             try:
-                full = program_from_json(self._text)
-            except (KeyError, TypeError, ValueError) as exc:
-                raise CompileCacheError(self._source, f"does not decode ({type(exc).__name__}: {exc})") from exc
-            if full.num_ops() != self._ops or full.metadata != self.metadata:
-                raise CompileCacheError(self._source, "is inconsistent: its op count or metadata differs from its "
-                                        "Program's")
-            full.metadata = self.metadata  # one dict, whoever edits it
+                full = self._decode()
+            except CompileCacheError as exc:
+                if self.rebuild is None:
+                    raise
+                full = self.rebuild(exc)
+                self.metadata = full.metadata
             self._full = full
         return self._full
+
+    def _decode(self) -> Program:
+        try:
+            full = program_from_json(self._text)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CompileCacheError(self._source, f"does not decode ({type(exc).__name__}: {exc})") from exc
+        if full.num_ops() != self._ops or full.metadata != self.metadata:
+            raise CompileCacheError(self._source, "is inconsistent: its op count or metadata differs from its "
+                                    "Program's")
+        full.metadata = self.metadata  # one dict, whoever edits it
+        return full
 
     def num_ops(self) -> int:
         return self._ops if self._full is None else self._full.num_ops()

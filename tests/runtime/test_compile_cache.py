@@ -15,11 +15,12 @@ import torch
 from torch import nn
 
 import fleetc
-from fleetc.ir.printer import format_program
-from fleetc.ir.program import Program
 from fleetc.compile_cache import CompileCacheWarning, fingerprint
 from fleetc.compile_cache.deferred import CompileCacheError, DeferredProgram
 from fleetc.compile_cache.store import STALE_LOCK_SECONDS, EntryStore
+from fleetc.ir.printer import format_program
+from fleetc.ir.program import Program
+from fleetc.ir.serialize import program_to_json
 
 ROOT = Path(__file__).resolve().parents[2]
 SCALE = 1.0
@@ -323,16 +324,46 @@ def test_a_capture_whose_ops_do_not_decode_is_captured_again_with_a_warning(cach
     assert format_program(warm.history[0].program) == format_program(cold.history[0].program)
 
 
-def test_a_deferred_program_whose_op_count_disagrees_is_refused(cache_dir):
+@pytest.mark.parametrize("damage", ["garbled bytes", "unknown tag", "op count"])
+def test_a_full_hit_whose_ops_are_damaged_is_captured_again_when_first_used(cache_dir, monkeypatch, damage):
     cold = _compile()
     (entry,) = _entries(cache_dir, "capture")
-    data = json.loads(entry.read_text())
-    data["payload"]["ops"] += 1
-    entry.write_text(json.dumps(data))
-    warm = _compile()  # the text is unchanged, so the passes hit and the step is the passes entry's
+    if damage == "op count":  # the text is intact, so the passes hit and the compile never decodes the ops
+        data = json.loads(entry.read_text())
+        data["payload"]["ops"] += 1
+        entry.write_text(json.dumps(data))
+    warm = _compile()
+    assert _outcome(warm) == {"capture": "hit", "passes": "hit"}
+    captured = warm.history[0].program
+    assert isinstance(captured, DeferredProgram) and captured._full is None
+    text = captured._text
+    body = text.index('"blocks"') + 40
+    if damage == "garbled bytes":  # the body the hit holds, damaged after the compile (its passes key is spent)
+        captured._text = text[:body] + "#\t@@ junk ]]" + text[body + 12:]
+    elif damage == "unknown tag":
+        program = json.loads(text)
+        program["blocks"][0]["ops"][0]["args"] = [{"$call": "os.system"}]
+        captured._text = json.dumps(program)
+    ran = []
+    monkeypatch.setattr(os, "system", lambda *a: ran.append(a))  # nothing read from the entry may run
+    reason = "is inconsistent" if damage == "op count" else "does not decode"
+    with pytest.warns(CompileCacheWarning, match=f"ignoring entry {entry}, which {reason}.*captured again"):
+        printed = format_program(captured)
+    assert not ran
+    assert printed == format_program(cold.history[0].program)
+    assert captured.num_ops() == cold.history[0].program.num_ops() and captured == cold.history[0].program
+    assert not entry.exists()  # the next compile captures again and stores a good entry
     torch.testing.assert_close(warm.step(torch.ones(2, 8)), cold.step(torch.ones(2, 8)))
-    with pytest.raises(CompileCacheError, match=f"{entry.name} is inconsistent"):
-        warm.history[0].program.decoded()
+    again = _compile()
+    assert _outcome(again)["capture"] == "miss" and "stored" in again.report().cache[0]
+    assert json.loads(entry.read_text())["payload"]["ops"] == cold.history[0].program.num_ops()
+
+
+def test_a_deferred_program_without_rebuild_raises_naming_the_entry():
+    program = Program()
+    text = program_to_json(program)
+    with pytest.raises(CompileCacheError, match="entry.json is inconsistent"):
+        DeferredProgram(text, program.num_ops() + 1, "entry.json").decoded()
 
 
 @pytest.mark.parametrize("text", ["[1]", '{"fleetc_program": 2, "metadata": {}}',
