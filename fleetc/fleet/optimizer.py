@@ -68,7 +68,8 @@ class DistributedOptimizer:
         if config.gradient_merge and not self._merge_micro_step(config.gradient_merge_configs):
             return
         if env.world_size() > 1:
-            self._average_grads()
+            _average_over_ranks([p.grad for g in self.inner.param_groups for p in g["params"] if p.grad is not None],
+                                "eager gradient allreduce")
         self.inner.step()
 
     def _eager_config(self) -> Any:
@@ -98,21 +99,6 @@ class DistributedOptimizer:
         self._merged, self._micro_steps = {}, 0
         return True
 
-    def _average_grads(self) -> None:
-        grads = [p.grad for g in self.inner.param_groups for p in g["params"] if p.grad is not None]
-        timeout = env.collective_timeout()
-        for dtype in sorted({g.dtype for g in grads}, key=str):
-            same = [g for g in grads if g.dtype == dtype]
-            flat = torch.cat([g.reshape(-1) for g in same])
-            try:
-                dist.all_reduce(flat, op=dist.ReduceOp.AVG, async_op=True).wait(timeout)
-            except RuntimeError as exc:
-                raise collective_failed(f"eager gradient allreduce ({dtype})", exc, timeout.total_seconds()) from exc
-            offset = 0
-            for g in same:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
-
     def clear_grad(self, set_to_zero: bool = False) -> None:
         """Drop the gradients (`set_to_zero=True` zero-fills them instead, as Paddle's argument says)."""
         self.inner.zero_grad(set_to_none=not set_to_zero)
@@ -127,12 +113,18 @@ class DistributedOptimizer:
 
     def state_dict(self) -> dict:
         """The torch optimizer's state dict; mid-accumulation under eager gradient merge, also its accumulators
-        (keyed by parameter index, as torch keys the optimizer state) and micro-step count under `MERGE_KEY`."""
+        (keyed by parameter index, as torch keys the optimizer state) and micro-step count under `MERGE_KEY`.
+
+        With several ranks the accumulators are their average over the ranks, which is what the update averages
+        them to: every rank calls it then (a collective), and loading the first rank's copy on every rank resumes
+        as the uninterrupted run. Each rank's own sums would drop the other ranks' gradients of the period."""
         state = self.inner.state_dict()
         if self._micro_steps:
             index = {id(p): i for i, p in enumerate(p for g in self.inner.param_groups for p in g["params"])}
-            state[MERGE_KEY] = {"micro_steps": self._micro_steps,
-                                "accumulators": {index[id(p)]: total.clone() for p, total in self._merged.items()}}
+            merged = sorted((index[id(p)], total.clone()) for p, total in self._merged.items())
+            if env.world_size() > 1:
+                _average_over_ranks([total for _, total in merged], "eager gradient-merge state_dict")
+            state[MERGE_KEY] = {"micro_steps": self._micro_steps, "accumulators": dict(merged)}
         return state
 
     def set_state_dict(self, state_dict: dict) -> None:
@@ -143,3 +135,20 @@ class DistributedOptimizer:
         params = [p for g in self.inner.param_groups for p in g["params"]]
         self._micro_steps = merge["micro_steps"]
         self._merged = {params[i]: total.to(params[i].device, copy=True) for i, total in merge["accumulators"].items()}
+
+
+def _average_over_ranks(tensors: list[torch.Tensor], label: str) -> None:
+    """Average `tensors` in place over the ranks: one allreduce per dtype, each waited for at most the collective
+    timeout (a CollectiveError naming `label` past it)."""
+    timeout = env.collective_timeout()
+    for dtype in sorted({t.dtype for t in tensors}, key=str):
+        same = [t for t in tensors if t.dtype == dtype]
+        flat = torch.cat([t.reshape(-1) for t in same])
+        try:
+            dist.all_reduce(flat, op=dist.ReduceOp.AVG, async_op=True).wait(timeout)
+        except RuntimeError as exc:
+            raise collective_failed(f"{label} ({dtype})", exc, timeout.total_seconds()) from exc
+        offset = 0
+        for t in same:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()

@@ -40,7 +40,13 @@ from fleetc.passes.recompute import RecomputePolicy
 from fleetc.passes.sharding.optimizer_sharding import RS_WAIT
 from fleetc.passes.sharding.param_sharding import GATHER_WAIT
 from fleetc.report import CompileReport
-from fleetc.runtime.checkpoint import TrainerState, load_checkpoint, rng_state, save_checkpoint
+from fleetc.runtime.checkpoint import (
+    TrainerState,
+    load_checkpoint,
+    owned_state_dict,
+    rng_state,
+    save_checkpoint,
+)
 from fleetc.runtime.pipeline_forward import ForwardPipeline, forward_pipeline
 from fleetc.runtime.pipeline_local import DistributedPipeline, PipelineExecutor, make_pipeline
 from fleetc.runtime.guards import GuardCheck, observe_guards
@@ -231,6 +237,20 @@ class DataParallelTrainer(CompiledTrainer):
     def _live_state(self) -> TrainerState:
         return TrainerState(self.model, self.optimizer, self.counters, rank=env.rank())
 
+    def _rank_averaged(self, owned: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`owned` with its gradient-merge accumulators averaged over the ranks, as a checkpoint holds them mid
+        period (fleet/merge_state.py; a collective when there are any)."""
+        program = self._last_train.program if self._last_train is not None else None
+        return averaged_accumulators(owned, program, self.world_size)
+
+    def state_dict(self) -> dict[str, Any]:
+        """CompiledTrainer.state_dict, with the gradient-merge accumulators averaged over the ranks as in
+        save_checkpoint: mid period every rank calls it (a collective), and loading the first rank's copy on every
+        rank resumes as the uninterrupted run. A pipeline rank's carried merge sums are save_checkpoint's only."""
+        if self._distributed_pipeline() is not None:
+            return super().state_dict()
+        return owned_state_dict(self._rank_averaged(self.counters), self.config, [rng_state()])
+
     def save_checkpoint(self, dirname: str) -> str:
         """Every rank calls it: their RNG states are gathered, the first rank writes a new crash-safe version, and
         all wait for it (CheckpointError on every rank when the write failed). Under sharding each shard, and with
@@ -245,8 +265,7 @@ class DataParallelTrainer(CompiledTrainer):
             return self._save_pipeline(dirname, rng, pipeline)
         self._gather_pipeline_stages()
         live = self._live_state()
-        program = self._last_train.program if self._last_train is not None else None
-        live.owned = averaged_accumulators(live.owned, program, self.world_size)  # mid gradient-merge period
+        live.owned = self._rank_averaged(live.owned)  # mid gradient-merge period
         if self._owned is not None and self.optimizer is not None:  # sharded: each shard's entries in its own file
             coordinates = self.mesh.coordinates(env.rank())
             return save_sharded_checkpoint(dirname, live, self.config, rng, coordinates["sharding"],

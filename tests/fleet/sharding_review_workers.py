@@ -147,35 +147,89 @@ def train_configs(rank: int, args: dict, out_dir: str) -> None:
 
 
 def resume_mid_period(rank: int, args: dict, out_dir: str) -> None:
-    """Each config: train `save_after` steps, checkpoint, train the rest; then a fresh model and trainer load the
-    checkpoint and train the rest. Both end states, whole."""
+    """Each config: train `save_after` steps, checkpoint and take `trainer.state_dict()` (fleetc's own state, on
+    every rank), train the rest; then a fresh model and trainer load the checkpoint and train the rest. Without
+    sharding a third one loads the first rank's model, optimizer and fleetc state_dicts (a user's own checkpoint)
+    and trains the rest too. The end states, whole, and each rank's fleetc state_dict."""
     fleet.init(is_collective=True)
     world = fleet.worker_num()
     out = []
     for config in args["configs"]:
         batches = user_batches(config)
         path = os.path.join(args["dir"], f"ckpt{len(out)}")
+        own = os.path.join(args["dir"], f"state_dicts{len(out)}.pt")
 
         def build(seed: int, config=config):
             torch.manual_seed(seed)
             model = make_model(config)
             opt = fleet.distributed_optimizer(make_optimizer(model, config), strategy_of(config))
-            return fleetc.compile(model, optimizer=opt, loss_fn=ZOO[config["zoo"]].loss_fn, verify=True)
+            return fleetc.compile(model, optimizer=opt, loss_fn=ZOO[config["zoo"]].loss_fn, verify=True), opt
 
-        trainer = build(0)
+        def rest(trainer) -> list:
+            return [trainer.step(*shard(batch, rank, world)) for batch in batches[config["save_after"]:]]
+
+        trainer, opt = build(0)
         for batch in batches[: config["save_after"]]:
             trainer.step(*shard(batch, rank, world))
         trainer.save_checkpoint(path)
-        continued = [trainer.step(*shard(batch, rank, world)) for batch in batches[config["save_after"]:]]
-        continued_state = trainer.full_state_dict()
-        trainer = build(rank + 7)
+        fleetc_state = trainer.state_dict()
+        unsharded = not config["strategy"].get("sharding")
+        if unsharded and rank == 0:
+            torch.save({"model": trainer.model.state_dict(), "opt": opt.state_dict(), "fleetc": fleetc_state}, own)
+        continued = rest(trainer)
+        result = {"continued": continued, "continued_state": trainer.full_state_dict(), "fleetc_state": fleetc_state}
+        trainer, _ = build(rank + 7)
         trainer.load_checkpoint(path)
-        resumed = [trainer.step(*shard(batch, rank, world)) for batch in batches[config["save_after"]:]]
-        out.append({"continued": continued, "resumed": resumed, "continued_state": continued_state,
-                    "resumed_state": trainer.full_state_dict()})
+        result.update(resumed=rest(trainer), resumed_state=trainer.full_state_dict())
+        if unsharded:
+            fleet.barrier_worker()  # the first rank's state_dicts are written
+            saved = torch.load(own, weights_only=True)
+            trainer, opt = build(rank + 11)
+            trainer.model.load_state_dict(saved["model"])
+            opt.set_state_dict(saved["opt"])
+            trainer.load_state_dict(saved["fleetc"])
+            result.update(from_state_dicts=rest(trainer), from_state_dicts_state=trainer.full_state_dict())
+        out.append(result)
+    if args.get("eager"):
+        out.append(eager_resume_mid_period(rank, world, args["eager"], os.path.join(args["dir"], "eager.pt")))
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     fleet.barrier_worker()
     fleet.stop_worker()
+
+
+def eager_resume_mid_period(rank: int, world: int, config: dict, path: str) -> dict:
+    """A hand-written loop over `fleet.distributed_optimizer` (eager gradient merge): after `save_after` micro-steps,
+    mid period, every rank takes `opt.state_dict()` and the first rank saves it with the model's; the run goes on,
+    and a fresh model and optimizer on every rank load the first rank's file and train the same rest."""
+    batches = user_batches(config)
+
+    def build(seed: int):
+        torch.manual_seed(seed)
+        model = make_model(config)
+        return model, fleet.distributed_optimizer(make_optimizer(model, config), strategy_of(config))
+
+    def train(model, opt, part) -> None:
+        for batch in part:
+            x, y = shard(batch, rank, world)
+            ZOO[config["zoo"]].loss_fn(model(x), y).backward()
+            opt.step()
+            opt.clear_grad()
+
+    model, opt = build(0)
+    train(model, opt, batches[: config["save_after"]])
+    state = {"model": model.state_dict(), "opt": opt.state_dict()}  # a collective mid period: every rank
+    if rank == 0:
+        torch.save(state, path)
+    train(model, opt, batches[config["save_after"]:])
+    fleet.barrier_worker()
+    saved = torch.load(path, weights_only=True)
+    resumed, resumed_opt = build(rank + 7)
+    resumed.load_state_dict(saved["model"])
+    resumed_opt.set_state_dict(saved["opt"])
+    train(resumed, resumed_opt, batches[config["save_after"]:])
+    return {"continued_state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "resumed_state": {k: v.detach().clone() for k, v in resumed.state_dict().items()},
+            "merge_state": state["opt"]["fleetc_gradient_merge"]}
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from fleet.spawn import assert_all_ok, spawn
 from fleet.test_sharding import FP32_ATOL, sharded
 from fleet.workers import make_model, make_strategy
 from fleetc.cli import main
+from fleetc.runtime.checkpoint import STATE_KEY
 
 FULL = pytest.mark.skipif(not os.environ.get("FLEETC_FULL"), reason="the rest of the review matrix: FLEETC_FULL=1")
 MERGE_CLIP = {"gradient_merge": True, "gradient_merge_configs": {"k_steps": 2}}
@@ -222,10 +223,18 @@ def test_dp_by_sharding_on_four_ranks_with_clipping_and_two_param_groups(tmp_pat
 
 # Saved mid gradient-merge period (k=2, after 3 steps: each rank's own gradients of step 3 in its accumulators) and
 # resumed by a fresh trainer on the same ranks: the uninterrupted run (up to rounding: the checkpoint holds the
-# accumulators' average over the ranks), without sharding and at every stage.
+# accumulators' average over the ranks), without sharding and at every stage. `trainer.state_dict()` holds the same
+# average on every rank, and without sharding the first rank's model, optimizer and fleetc state_dicts resume the
+# run too; so does the eager loop's `opt.state_dict()` under eager gradient merge.
 def mid_period(stages: tuple[int, ...]) -> list[dict]:
     return [{"zoo": "mlp", "optimizer": "adam", "groups": True, "steps": 4, "save_after": 3,
              "strategy": {**MERGE_CLIP, **(sharded(stage) if stage else {})}} for stage in stages]
+
+
+def close_states(resumed: dict, continued: dict, where) -> list:
+    """The names whose resumed value is not the uninterrupted run's up to rounding."""
+    return [(where, name) for name, value in continued.items()
+            if not torch.allclose(resumed[name], value, rtol=1.3e-6, atol=1e-5)]
 
 
 def check_resumed(results, configs: list[dict]) -> None:
@@ -235,18 +244,31 @@ def check_resumed(results, configs: list[dict]) -> None:
         for config, run in zip(configs, result.result):
             where = config["strategy"].get("sharding_configs")
             assert all(torch.equal(a, b) for a, b in zip(run["resumed"], run["continued"])), (where, run)
-            bad += [(where, name) for name, value in run["continued_state"].items()
-                    if not torch.allclose(run["resumed_state"][name], value, rtol=1.3e-6, atol=1e-5)]
+            bad += close_states(run["resumed_state"], run["continued_state"], where)
+            if "from_state_dicts" in run:
+                assert all(torch.equal(a, b) for a, b in zip(run["from_state_dicts"], run["continued"])), where
+                bad += close_states(run["from_state_dicts_state"], run["continued_state"], (where, "state_dicts"))
         assert not bad, bad
+    for i, config in enumerate(configs):  # each rank's fleetc state_dict holds the averaged accumulators
+        first, second = (r.result[i]["fleetc_state"][STATE_KEY] for r in results)
+        assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first), config
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stages", [pytest.param((0, 2), id="ci"), pytest.param((1, 3), id="full", marks=FULL)])
 def test_a_checkpoint_mid_gradient_merge_period_resumes_as_the_uninterrupted_run(tmp_path, stages):
     configs = mid_period(stages)
-    results = spawn(2, "resume_mid_period", {"configs": configs, "dir": str(tmp_path / "ckpt")}, tmp_path,
-                    deadline_s=300, module="fleet.sharding_review_workers")
+    eager = mid_period((0,))[0] if 0 in stages else None
+    results = spawn(2, "resume_mid_period", {"configs": configs, "dir": str(tmp_path / "ckpt"), "eager": eager},
+                    tmp_path, deadline_s=300, module="fleet.sharding_review_workers")
     check_resumed(results, configs)
+    if eager is not None:
+        first, second = (r.result[-1] for r in results)
+        assert first["merge_state"]["accumulators"].keys() == second["merge_state"]["accumulators"].keys()
+        assert all(torch.equal(a, second["merge_state"]["accumulators"][i])
+                   for i, a in first["merge_state"]["accumulators"].items()), "eager accumulators not averaged"
+        for run in (first, second):
+            assert not close_states(run["resumed_state"], run["continued_state"], "eager")
     for i, config in enumerate(configs):  # and in one process, on the whole batch
         state = resumed_in_one_process(config, str(tmp_path / "ckpt" / f"ckpt{i}"))
         for name, value in results[0].result[i]["continued_state"].items():
