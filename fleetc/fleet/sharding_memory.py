@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from fleetc.ir.program import Program, Var, VarKind
+from fleetc.passes.sharding.param_sharding import gathered_buffer_bytes
 
 _STATE_BYTES = {"Adam": 8, "AdamW": 8, "SGD": 4}  # per element, fp32 moments / momentum buffer
 MASTER_BYTES = 4
@@ -52,14 +53,13 @@ def kept_gradients(program: Program, reduce_scatter_wait: str) -> list[Var]:
     return [v for name in grads.values() if (v := program.find_var(name)) is not None]
 
 
-def gather_buffer_bytes(program: Program, gather_wait: str) -> int:
+def gather_buffer_bytes(program: Program) -> int:
     """Stage 3's parameters in flight: the two largest gathered buckets (the one in use and the one prefetched)."""
-    sizes = sorted(program.var(op.outputs[0]).nbytes() for _, op in program.walk_ops() if op.type == gather_wait)
-    return sum(sizes[-2:])
+    return sum(sorted(gathered_buffer_bytes(program))[-2:])
 
 
 def per_rank_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, program: Program, degree: int, stage: int,
-                   reduce_scatter_wait: str, gather_wait: str, whole_numel: int | None = None) -> dict[str, Any]:
+                   reduce_scatter_wait: str, whole_numel: int | None = None) -> dict[str, Any]:
     """This rank's parameter, gradient and optimizer-state bytes, and the formula's total for comparison
     (`whole_numel`: Ψ under stage 3, where the module holds only this rank's parameters)."""
     params = list(model.parameters())
@@ -77,4 +77,4 @@ def per_rank_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, program: 
             "total_bytes": param_bytes + grads + state_bytes,
             "formula_bytes": formula_bytes(optimizer, numel, degree, stage, low),
             "formula_bytes_as_kept": formula_bytes(optimizer, numel, degree, stage, low, element),
-            "merge_accumulator_bytes": accumulators, "gathered_in_flight_bytes": gather_buffer_bytes(program, gather_wait)}
+            "merge_accumulator_bytes": accumulators, "gathered_in_flight_bytes": gather_buffer_bytes(program)}

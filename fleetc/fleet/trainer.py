@@ -38,7 +38,6 @@ from fleetc.passes.optimizers import GradClip
 from fleetc.passes.pipeline_parallel.stages import pipeline_stages, pipelined
 from fleetc.passes.recompute import RecomputePolicy
 from fleetc.passes.sharding.optimizer_sharding import RS_WAIT
-from fleetc.passes.sharding.param_sharding import GATHER_WAIT
 from fleetc.report import CompileReport
 from fleetc.runtime.checkpoint import (
     TrainerState,
@@ -218,7 +217,7 @@ class DataParallelTrainer(CompiledTrainer):
         if self._owned is not None and self.optimizer is not None:
             whole_numel = self._sharded_params.numel() if self._sharded_params is not None else None
             stats["sharding"] = per_rank_bytes(self.model, self.optimizer, self.program, self.mesh.sharding,
-                                               self.config.sharding_configs.stage, RS_WAIT, GATHER_WAIT, whole_numel)
+                                               self.config.sharding_configs.stage, RS_WAIT, whole_numel)
         return stats
 
     def whole_parameters(self) -> AbstractContextManager[None]:

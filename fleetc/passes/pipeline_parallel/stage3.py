@@ -24,7 +24,7 @@ from fleetc.ir.program import Op, OpRole, Program, Var, VarKind
 from fleetc.passes.base import PassReport
 from fleetc.passes.data_parallel.common import var_numel
 from fleetc.passes.sharding.flat_params import flat_parameter_plan
-from fleetc.passes.sharding.param_sharding import GATHER_WAIT, gather_bucket
+from fleetc.passes.sharding.param_sharding import gather_bucket, gathered_buffer_bytes
 from fleetc.passes.sharding.plan import FlatBucket
 
 if TYPE_CHECKING:
@@ -77,4 +77,4 @@ def gather_program(stage: StagePrograms, sharding: dict) -> Program:
 def gathered_bytes(gather: Program) -> int:
     """Bytes a stage's gather Program makes whole: its gathered buffers (padded), in flight from the stage's first
     micro-batch forward to its last backward of each step; the same on every rank of the sharding group."""
-    return sum(gather.var(op.outputs[0]).nbytes() for op in gather.global_block.ops if op.type == GATHER_WAIT)
+    return sum(gathered_buffer_bytes(gather))

@@ -194,6 +194,12 @@ def gather_bucket(program: Program, block: Block, gather: Gather, used: list[str
     return start, [wait, views]
 
 
+def gathered_buffer_bytes(program: Program) -> list[int]:
+    """The bytes of each buffer `program` gathers whole (each gather wait's output, padded), in op order: what
+    stage 3 holds in flight beside a rank's pieces."""
+    return [program.var(op.outputs[0]).nbytes() for _, op in program.walk_ops() if op.type == GATHER_WAIT]
+
+
 def _drop_foreign(program: Program, block: Block, foreign: set[str]) -> None:
     """Remove the foreign parameters' Vars; an op still reading one would need a gather this pass did not place."""
     for _, op in program.walk_ops():
