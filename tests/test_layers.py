@@ -127,3 +127,19 @@ def test_the_checker_sees_upward_imports(tmp_path, source):
     path.write_text(source)
     targets = [target for target, _ in _imports(path)]
     assert targets and all(_layer(t) > _layer("fleetc.ir") for t in targets)
+
+
+def _private_imports(path: pathlib.Path) -> list[str]:
+    """`from fleetc.x import _name` in the file: a private name used outside its module."""
+    return [f"from {node.module} import {alias.name}" for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fleetc")
+            for alias in node.names if alias.name.startswith("_") and not alias.name.startswith("__")]
+
+
+def test_no_module_imports_another_modules_private_name(tmp_path):
+    """A name another module needs is public (named for what it is, with a docstring), or lives where it is used."""
+    offenders = [f"{module}: {line}" for module, path in sorted(MODULES.items()) for line in _private_imports(path)]
+    assert not offenders, "private names imported across modules:\n" + "\n".join(offenders)
+    probe = tmp_path / "probe.py"  # the scan itself
+    probe.write_text("def f():\n    from fleetc.comm.mesh import _hidden, resolve_mesh\n")
+    assert _private_imports(probe) == ["from fleetc.comm.mesh import _hidden"]
