@@ -244,8 +244,8 @@ class DataParallelTrainer(CompiledTrainer):
 
     def state_dict(self) -> dict[str, Any]:
         """CompiledTrainer.state_dict, with the gradient-merge accumulators averaged over the ranks as in
-        save_checkpoint: mid period every rank calls it (a collective), and loading the first rank's copy on every
-        rank resumes as the uninterrupted run. A pipeline rank's carried merge sums are save_checkpoint's only."""
+        save_checkpoint: under gradient merge every rank calls it (a collective), and loading the first rank's copy
+        on every rank resumes mid period as the uninterrupted run. A pipeline rank's carried merge sums are save_checkpoint's only."""
         if self._distributed_pipeline() is not None:
             return super().state_dict()
         return owned_state_dict(self._rank_averaged(self.counters), self.config, [rng_state()])
