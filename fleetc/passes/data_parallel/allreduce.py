@@ -30,8 +30,10 @@ from fleetc.passes.data_parallel.common import (
     START,
     WAIT,
     common_module,
+    is_backward,
     var_numel,
 )
+from fleetc.passes.data_parallel.low_precision import average_in_parameter_dtype
 from fleetc.passes.data_parallel.merged import (
     insert_update_block_allreduces,
     merged_values,
@@ -55,13 +57,6 @@ def gradient_vars(program: Program) -> list[str]:
             if param is not None and param.kind is VarKind.PARAM and block.vars[name].kind is VarKind.TEMP:
                 grads.append(name)
     return grads
-
-
-def _is_backward(op: Op) -> bool:
-    """A backward op, not part of the update: where a parameter's gradient is also the gradient flowing on (with a
-    batch of one, `x + pos` gives `pos` and `x` the same gradient Var), it must read the rank's own value, as eager
-    autograd does; only the update reads the average."""
-    return OpRole.BACKWARD in op.role and not op.role & (OpRole.OPTIMIZE | OpRole.LR_SCHED)
 
 
 def name_full_precision_gradients(program: Program, grads: list[str]) -> None:
@@ -153,7 +148,9 @@ class InsertAllreduce:
         block = program.global_block
         merged = merged_values(program)  # gradient merge: its accumulators are allreduced instead, once per k steps
         if not merged:  # (under AMP the merged values already are the float32 casts)
-            name_full_precision_gradients(program, gradient_vars(program))
+            grads = gradient_vars(program)
+            low = average_in_parameter_dtype(program, grads)  # use_pure_fp16: in the parameter's dtype
+            name_full_precision_gradients(program, [g for g in grads if g not in low])
         grads = gradient_vars(program)
         production_index = {g: i for i, g in enumerate(grads)}
         per_step = {} if merged else production_index
@@ -161,7 +158,7 @@ class InsertAllreduce:
         local_names: dict[str, str] = {}  # gradient → its rank-local value, for backward ops that read it
         dead = dead_op_names(program, block, set(program.fetches.values()))  # left to DCE, as they are
         for op in block.ops:
-            if local_names and _is_backward(op) and op.name not in dead:
+            if local_names and is_backward(op) and op.name not in dead:
                 program.rename_reads(op, local_names)
             ops.append(op)
             produced = [g for g in op.defined if g in per_step]
