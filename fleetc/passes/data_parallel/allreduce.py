@@ -2,8 +2,9 @@
 
 Runs only in data-parallel Programs (`metadata["data_parallel"]`, stamped by fleet's trainer). The
 producer's result is renamed `<param>@GRAD@LOCAL`; the allreduce's wait defines `<param>@GRAD`
-again, so the optimizer ops and fetches read the averaged gradient without being touched. Under AMP the
-gradient averaged is the float32 cast of a low-precision gradient (name_full_precision_gradients).
+again, so the optimizer ops and fetches read the averaged gradient without being touched. Under AMP (O1) the
+gradient averaged is the float32 cast of a low-precision gradient (name_full_precision_gradients); under
+use_pure_fp16 a low-precision parameter's gradient is averaged in its own dtype and cast after (low_precision.py).
 Communicator groups the Program uses are listed in `metadata["collective_groups"]`. Under gradient
 merge the accumulators are allreduced in its update block instead (allreduce_merged.py).
 """
@@ -61,10 +62,10 @@ def gradient_vars(program: Program) -> list[str]:
 
 def name_full_precision_gradients(program: Program, grads: list[str]) -> None:
     """Under AMP (O1) a float32 parameter's gradient is computed in low precision and cast back: make the cast the
-    gradient the ranks average, `<param>@GRAD`, and rename the low-precision one `<param>@GRAD@<dtype>`. Under
-    `use_pure_fp16` the same holds for the cast that feeds the float32 master weight's update: the cast sits in
-    backward, where reads of `<param>@GRAD` mean the rank's own value, so without the rename the update would read
-    the local gradient, not the average.
+    gradient the ranks average, `<param>@GRAD`, and rename the low-precision one `<param>@GRAD@<dtype>`. Where
+    the accumulators of a pipeline's micro-batches are what is averaged, the same holds under `use_pure_fp16` for
+    the cast that feeds the float32 master weight's update (as Paddle accumulates master gradients in float32);
+    plain data parallel averages those gradients in low precision instead (low_precision.py).
 
     Paddle and torch DDP sum a float32 parameter's gradient in float32; summing the bfloat16 one loses precision
     that only Paddle's `fp16_allreduce` opts into. Renaming (rather than averaging the cast under its own name)
@@ -151,6 +152,10 @@ class InsertAllreduce:
             grads = gradient_vars(program)
             low = average_in_parameter_dtype(program, grads)  # use_pure_fp16: in the parameter's dtype
             name_full_precision_gradients(program, [g for g in grads if g not in low])
+            if low:
+                report.notes.append(f"use_pure_fp16: {len(low)} gradients averaged and kept in their parameters' "
+                                    f"{program.var(low[0]).dtype}, as Paddle and torch DDP communicate them; the "
+                                    "float32 master updates read the cast of the average")
         grads = gradient_vars(program)
         production_index = {g: i for i, g in enumerate(grads)}
         per_step = {} if merged else production_index
