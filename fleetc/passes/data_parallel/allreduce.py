@@ -34,7 +34,7 @@ from fleetc.passes.data_parallel.common import (
     is_backward,
     var_numel,
 )
-from fleetc.passes.data_parallel.low_precision import average_in_parameter_dtype
+from fleetc.passes.data_parallel.low_precision import average_in_low_precision, average_in_parameter_dtype
 from fleetc.passes.data_parallel.merged import (
     insert_update_block_allreduces,
     merged_values,
@@ -68,7 +68,7 @@ def name_full_precision_gradients(program: Program, grads: list[str]) -> None:
     plain data parallel averages those gradients in low precision instead (low_precision.py).
 
     Paddle and torch DDP sum a float32 parameter's gradient in float32; summing the bfloat16 one loses precision
-    that only Paddle's `fp16_allreduce` opts into. Renaming (rather than averaging the cast under its own name)
+    that only Paddle's `fp16_allreduce` opts into (low_precision.py's `average_in_low_precision`). Renaming (rather than averaging the cast under its own name)
     keeps every later pass's rule that the averaged gradient of `p` is `p@GRAD`."""
     block = program.global_block
     mapping: dict[str, str] = {}
@@ -130,7 +130,7 @@ class InsertAllreduce:
     name = "insert_allreduce"
     enabled_by = None  # always in the order: it decides for itself whether there is work
     summary = "average every gradient across data-parallel ranks, right after its last producer"
-    reads = ("use_hierarchical_allreduce", "hierarchical_allreduce_inter_nranks", "nccl_comm_num")
+    reads = ("use_hierarchical_allreduce", "hierarchical_allreduce_inter_nranks", "nccl_comm_num", "fp16_allreduce")
 
     def run(self, program: Program, config: Any) -> tuple[Program, PassReport]:
         report = PassReport(self.name)
@@ -156,6 +156,16 @@ class InsertAllreduce:
                 report.notes.append(f"use_pure_fp16: {len(low)} gradients averaged and kept in their parameters' "
                                     f"{program.var(low[0]).dtype}, as Paddle and torch DDP communicate them; the "
                                     "float32 master updates read the cast of the average")
+            if config.fp16_allreduce:
+                cast = average_in_low_precision(program, [g for g in grads if g not in low])
+                report.count("fp16_allreduce_gradients", len(cast))
+                report.notes.append(f"fp16_allreduce: {len(cast)} float32 gradients cast to {program.var(cast[0]).dtype} "
+                                    "for the average and back to float32 after it" if cast else
+                                    "fp16_allreduce: no float32 gradient to cast (every gradient is averaged in low "
+                                    "precision already)")
+        elif config.fp16_allreduce:
+            report.notes.append("fp16_allreduce not applied: under gradient merge the float32 accumulators are "
+                                "averaged once per k steps")
         grads = gradient_vars(program)
         production_index = {g: i for i, g in enumerate(grads)}
         per_step = {} if merged else production_index

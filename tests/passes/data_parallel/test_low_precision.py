@@ -54,3 +54,28 @@ def test_amp_o1_still_averages_the_float32_casts(mlp):
     program, _ = run_data_parallel_passes(mlp, amp=True, amp_configs={"dtype": "bfloat16"})
     starts = [op for op in program.global_block.ops if op.type == START]
     assert {program.var(op.args[0].name).dtype for op in starts} == {"float32"}
+
+
+def test_fp16_allreduce_averages_float32_gradients_in_bfloat16_on_cpu(mlp):
+    """Paddle's fp16_allreduce (float32 parameters, CPU: bfloat16): every gradient is cast down for the average, so
+    the bucket is half the bytes, and the update reads the float32 cast of the average, taken after the wait."""
+    plain, _ = run_data_parallel_passes(mlp)
+    program, history = run_data_parallel_passes(mlp, fp16_allreduce=True)
+    buckets = [[p.var(op.args[0].name) for op in p.global_block.ops if op.type == START] for p in (plain, program)]
+    assert {v.dtype for v in buckets[0]} == {"float32"} and {v.dtype for v in buckets[1]} == {"bfloat16"}
+    assert 2 * sum(v.nbytes() for v in buckets[1]) == sum(v.nbytes() for v in buckets[0])
+    block = program.global_block
+    waited = {name: i for i, op in enumerate(block.ops) if op.type == WAIT for name in op.outputs}
+    for op in (op for _, op in program.walk_ops() if op.attrs.get("param") in PARAMS):
+        grad = next(ref.name for ref in op.args if getattr(ref, "name", "").startswith(f"{op.attrs['param']}@GRAD"))
+        cast = next(c for c in block.ops if grad in c.outputs)
+        assert cast.type == "aten._to_copy.default" and program.var(grad).dtype == "float32"
+        assert block.ops.index(cast) > waited[cast.args[0].name], op.name
+    report = history["insert_allreduce"].report
+    assert report.stats["fp16_allreduce_gradients"] == 6
+    assert any(note.startswith("fp16_allreduce: 6 float32 gradients cast to bfloat16") for note in report.notes)
+
+
+def test_fp16_allreduce_in_one_process_is_reported_not_applied(mlp):
+    _, history = run_data_parallel_passes(mlp, 1, fp16_allreduce=True)
+    assert history["insert_allreduce"].report.skipped_reason.startswith("single process")
