@@ -89,6 +89,17 @@ def test_pure_low_precision_updates_pieces_of_the_averaged_gradients(mlp):
     assert update.args[0].name == "fc2.weight@master_weight" and tuple(final.var(update.args[1].name).shape) == (2811,)
 
 
+def test_fp16_allreduce_reduce_scatters_bfloat16_pieces_and_updates_from_their_float32_cast(mlp):
+    """fp16_allreduce under stage 2 (float32 parameters, CPU): the buckets are reduce-scattered in bfloat16, and
+    each update reads the float32 cast of its averaged piece (fc2.weight cut at 2811 elements on rank 0)."""
+    final, report = rank_0(mlp, fp16_allreduce=True)
+    assert report.stats["params_split"] >= 1
+    assert {final.var(op.outputs[0]).dtype for _, op in final.walk_ops() if op.type == RS_WAIT} == {"bfloat16"}
+    update = next(op for _, op in final.walk_ops() if op.attrs.get("param") == "fc2.weight")
+    gradient = final.var(update.args[1].name)
+    assert gradient.dtype == "float32" and tuple(gradient.shape) == (2811,)
+
+
 def test_stage_3_with_pure_low_precision_holds_low_precision_pieces_and_float32_master_pieces(mlp):
     """use_pure_fp16 under stage 3, rank 0 of 2: the gathers bring the bfloat16 parameters (not the master weights);
     fc2.weight is cut at 1349 of 4096 (rank 0 holds fc1.* and that piece: 2048 + 64 + 1349 = 3461 elements), its
