@@ -155,7 +155,7 @@ def test_pure_low_precision_ranks_update_from_the_averaged_gradient(tmp_path):
         torch.testing.assert_close(torch.stack(mean), torch.stack(losses), rtol=2e-2, atol=1e-2)
         for name, want in state.items():  # (bfloat16) parameters against float32 eager on the full batch
             torch.testing.assert_close(runs[0]["state"][name].float(), want, rtol=2e-2, atol=1e-2,
-                                       msg=lambda m: f"{name}: {m}")
+                                       msg=lambda m, name=name: f"{name}: {m}")
     allreduced = results[0].result["runs"][1]
     assert allreduced["report"]["insert_allreduce"]["fp16_allreduce_gradients"] == 6
     assert all(value.dtype == torch.float32 for value in allreduced["state"].values())

@@ -34,7 +34,10 @@ from fleetc.passes.data_parallel.common import (
     is_backward,
     var_numel,
 )
-from fleetc.passes.data_parallel.low_precision import average_in_low_precision, average_in_parameter_dtype
+from fleetc.passes.data_parallel.low_precision import (
+    average_in_low_precision,
+    average_in_parameter_dtype,
+)
 from fleetc.passes.data_parallel.merged import (
     insert_update_block_allreduces,
     merged_values,
