@@ -85,6 +85,8 @@ def test_pure_low_precision_updates_pieces_of_the_averaged_gradients(mlp):
     assert report.stats["params_split"] >= 1
     scattered = [final.var(op.outputs[0]) for _, op in final.walk_ops() if op.type == RS_WAIT]
     assert scattered and {var.dtype for var in scattered} == {"bfloat16"}
+    unsharded, _ = run_data_parallel_passes(mlp, 2, **PURE_BF16)  # the pre-launch estimate counts 2-byte pieces
+    assert rank_plans(unsharded, 2, 2)[0].gradient_bytes == sum(var.nbytes() for var in scattered) == 2 * 3461
     update = next(op for _, op in final.walk_ops() if op.attrs.get("param") == "fc2.weight")
     assert update.args[0].name == "fc2.weight@master_weight" and tuple(final.var(update.args[1].name).shape) == (2811,)
 
