@@ -8,11 +8,9 @@ accumulators come on top and are reported apart, and so are stage 3's parameters
 two largest gathered buckets: the one in use and the one prefetched). Measured: parameters and optimizer state from the live tensors; gradients from the compiled Program (what
 the rank keeps for its update: every gradient, or under stage 2 its shards).
 
-Under use_pure_fp16 the table's row counts low-precision gradients (2 bytes), but fleetc averages the float32 cast
-of each gradient (summed in float32, as torch DDP does, so sharded runs equal data parallel bit for bit:
-passes/data_parallel/allreduce.py's `name_full_precision_gradients`), so a rank keeps 4 bytes per gradient element:
-6Ψ + 12Ψ/N, 2Ψ + 16Ψ/N and 18Ψ/N at stages 1, 2 and 3. `formula_bytes_as_kept` is the row with the gradients'
-measured element size, beside the table's `formula_bytes`.
+Under use_pure_fp16 gradients are averaged and kept in the parameters' low precision, as Paddle and torch DDP
+communicate them (passes/data_parallel/low_precision.py), so the row's 2 bytes per gradient element hold; the float32
+cast the master update reads is taken per parameter in the update section, after the average (not kept).
 """
 from __future__ import annotations
 
@@ -28,18 +26,16 @@ _STATE_BYTES = {"Adam": 8, "AdamW": 8, "SGD": 4}  # per element, fp32 moments / 
 MASTER_BYTES = 4
 
 
-def formula_bytes(optimizer: torch.optim.Optimizer, numel: int, degree: int, stage: int, low_precision: bool,
-                  gradient_element_bytes: int | None = None) -> int:
+def formula_bytes(optimizer: torch.optim.Optimizer, numel: int, degree: int, stage: int, low_precision: bool) -> int:
     """The ZeRO formula's per-rank bytes of parameters + gradients + optimizer state (SGD without momentum keeps
-    none; an optimizer outside the table counts as stateless). `gradient_element_bytes`: the parameters' element
-    size unless given (the table's rows)."""
+    none; an optimizer outside the table counts as stateless)."""
     kind = type(optimizer).__name__
     state = _STATE_BYTES.get(kind, 0)
     if kind == "SGD" and not any(group.get("momentum") for group in optimizer.param_groups):
         state = 0
     weight = 2 if low_precision else 4
     state += MASTER_BYTES if low_precision else 0
-    grads = (gradient_element_bytes or weight) * numel / (degree if stage >= 2 else 1)
+    grads = weight * numel / (degree if stage >= 2 else 1)
     params = weight * numel / (degree if stage >= 3 else 1)
     return round(params + grads + state * numel / degree)
 
@@ -69,12 +65,10 @@ def per_rank_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, program: 
                       if isinstance(t, torch.Tensor) and t.dim() > 0)
     kept = kept_gradients(program, reduce_scatter_wait)
     grads = sum(v.nbytes() for v in kept)
-    element = torch.empty((), dtype=kept[0].torch_dtype).element_size() if kept else None
     low = any(p.dtype in (torch.float16, torch.bfloat16) for p in params)
     accumulators = sum(v.nbytes() for v in program.persistables() if v.kind is VarKind.ACCUMULATOR)
     return {"stage": stage, "degree": degree, "parameters": numel, "parameter_bytes": param_bytes,
             "gradient_bytes": grads, "optimizer_state_bytes": state_bytes,
             "total_bytes": param_bytes + grads + state_bytes,
             "formula_bytes": formula_bytes(optimizer, numel, degree, stage, low),
-            "formula_bytes_as_kept": formula_bytes(optimizer, numel, degree, stage, low, element),
             "merge_accumulator_bytes": accumulators, "gathered_in_flight_bytes": gather_buffer_bytes(program)}

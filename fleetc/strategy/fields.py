@@ -175,6 +175,7 @@ DISTRIBUTED: tuple[FieldOrSection, ...] = (
     Field("hierarchical_allreduce_inter_nranks", COUNT, 1, "ranks per node for hierarchical allreduce"),
     flag("sync_batch_norm", "compute batch-norm statistics across all data-parallel ranks"),
     flag("fuse_all_reduce_ops", "bucket gradient allreduces", True),
+    flag("fp16_allreduce", "average float32 gradients in low precision (fp16 on CUDA, bf16 on CPU), cast back after"),
     Field("fuse_grad_size_in_MB", COUNT, 32, "largest allreduce bucket, in MB"),
     Field("fuse_grad_size_in_TFLOPS", COUNT, 50, "most gradients in one allreduce bucket"),
     Field("last_comm_group_size_MB", POSITIVE, 1.0, "size of the last allreduce bucket, in MB"),

@@ -103,7 +103,6 @@ EXTRA_ENTRIES: tuple[FieldOrSection, ...] = (
         Field("sparsity", ListOf(float), (), "Paddle: the sparsity schedule"),
     ), "Paddle: deep gradient compression settings"),
     flag("elastic", "Paddle: elastic training"),
-    flag("fp16_allreduce", "Paddle: allreduce gradients in fp16"),
     flag("tensor_parallel", "Paddle: tensor (model) parallelism"),
     Section("tensor_parallel_configs", (
         Field("tensor_parallel_degree", COUNT, 1, "Paddle: tensor-parallel degree"),

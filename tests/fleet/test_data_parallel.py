@@ -133,17 +133,29 @@ PURE_LOW_PRECISION = {"zoo": "mlp", "optimizer": "momentum", "steps": 3,
                                                                 "dtype": "bfloat16"}}}
 
 
+FP16_ALLREDUCE = {"zoo": "mlp", "optimizer": "momentum", "steps": 3, "strategy": {"fp16_allreduce": True}}
+
+
 @pytest.mark.slow
 def test_pure_low_precision_ranks_update_from_the_averaged_gradient(tmp_path):
-    """`use_pure_fp16`: the float32 master weights are updated from the cast of the averaged gradient. The cast sits
-    in backward, where a gradient read means the rank's own value; it once read that, and the ranks drifted apart."""
-    results = spawn(2, "train_configs", {"configs": [PURE_LOW_PRECISION]}, tmp_path, deadline_s=150)
+    """`use_pure_fp16`: the gradients are averaged in bfloat16 and the float32 master weights updated from the cast
+    of the average, taken after it (low_precision.py; the cast AMP puts in backward, where a gradient read means
+    the rank's own value, once read that, and the ranks drifted apart). `fp16_allreduce` (float32 parameters):
+    every gradient averaged in bfloat16 and cast back. Both within bfloat16 tolerance of float32 eager training."""
+    results = spawn(2, "train_configs", {"configs": [PURE_LOW_PRECISION, FP16_ALLREDUCE]}, tmp_path, deadline_s=150)
     assert_all_ok(results)
-    runs = [r.result["runs"][0] for r in results]
-    assert any(not torch.equal(runs[0]["state"][k], v.to(runs[0]["state"][k].dtype))
-               for k, v in runs[0]["initial"].items()), "nothing trained"
-    for name, value in runs[0]["state"].items():
-        assert torch.equal(runs[1]["state"][name], value), f"{name}: the ranks' parameters differ"
-    _, state = reference(PURE_LOW_PRECISION, 2, runs[0]["initial"], False)
-    for name, want in state.items():  # bfloat16 parameters against float32 eager on the full batch
-        torch.testing.assert_close(runs[0]["state"][name].float(), want, rtol=2e-2, atol=1e-2, msg=lambda m: f"{name}: {m}")
+    for index, config in enumerate((PURE_LOW_PRECISION, FP16_ALLREDUCE)):
+        runs = [r.result["runs"][index] for r in results]
+        assert any(not torch.equal(runs[0]["state"][k], v.to(runs[0]["state"][k].dtype))
+                   for k, v in runs[0]["initial"].items()), "nothing trained"
+        for name, value in runs[0]["state"].items():
+            assert torch.equal(runs[1]["state"][name], value), f"{name}: the ranks' parameters differ"
+        losses, state = reference(config, 2, runs[0]["initial"], False)
+        mean = [sum(run["losses"][step] for run in runs) / 2 for step in range(config["steps"])]
+        torch.testing.assert_close(torch.stack(mean), torch.stack(losses), rtol=2e-2, atol=1e-2)
+        for name, want in state.items():  # (bfloat16) parameters against float32 eager on the full batch
+            torch.testing.assert_close(runs[0]["state"][name].float(), want, rtol=2e-2, atol=1e-2,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+    allreduced = results[0].result["runs"][1]
+    assert allreduced["report"]["insert_allreduce"]["fp16_allreduce_gradients"] == 6
+    assert all(value.dtype == torch.float32 for value in allreduced["state"].values())

@@ -201,14 +201,16 @@ PURE_BF16 = {"amp": True, "amp_configs": {"use_pure_fp16": True, "use_fp16_guard
 
 # Stage 2 must train exactly as unsharded data parallel does under each composed strategy (which itself matches
 # eager training in test_data_parallel.py): AMP (each rank checks its pieces of the flat buckets, found_inf
-# max-allreduced), gradient merge (whole accumulators reduce-scattered flat once per k steps), recompute, and AMP
-# under gradient merge (each rank checks its pieces of the merged gradients).
+# max-allreduced), gradient merge (whole accumulators reduce-scattered flat once per k steps), recompute,
+# use_pure_fp16 and fp16_allreduce (bfloat16 pieces reduce-scattered), and AMP under gradient merge (each rank
+# checks its pieces of the merged gradients).
 COMPOSED = [
     *stage_2_beside_plain_data_parallel({"amp": True}),
     *stage_2_beside_plain_data_parallel({"gradient_merge": True, "gradient_merge_configs": {"k_steps": 2}}, steps=4),
     *stage_2_beside_plain_data_parallel({"recompute": True, "recompute_configs": {"checkpoints": ["layers.0"]}},
                                         zoo="gpt"),
     *stage_2_beside_plain_data_parallel(PURE_BF16),
+    *stage_2_beside_plain_data_parallel({"fp16_allreduce": True}),
     *stage_2_beside_plain_data_parallel({"amp": True, **MERGED}, steps=4),
 ]
 
@@ -254,6 +256,9 @@ def test_stages_2_and_3_compose_with_amp_gradient_merge_and_recompute(tmp_path, 
         assert merged["report"]["sharding"]["owned_params"] > 0
         if composed is COMPOSED:  # the master weights' updates read pieces of the averaged gradients too
             assert runs[7]["report"]["sharding"]["params_split"] >= 1
+            # fp16_allreduce: float32 parameters, bfloat16 gradient pieces reduce-scattered and kept
+            assert runs[9]["report"]["sharding"]["params_split"] >= 1
+            assert runs[9]["memory"]["gradient_bytes"] == runs[9]["memory"]["parameters"]  # 2 bytes, on 2 ranks
 
 
 @pytest.mark.slow

@@ -49,13 +49,14 @@ FULL_CONFIGS = [
 # use_pure_fp16: unsharded data parallel, then stages 1, 2, 3 on the mlp (Adam); data parallel, then stage 3 on gpt
 PURE_CONFIGS = [{"zoo": zoo, "optimizer": optimizer, "steps": 3, "dropout_off": True,
                  "strategy": dict(PURE_BF16, **(sharded(stage) if stage else {}))}
-                for zoo, optimizer, stages in (("mlp", "adam", (0, 1, 2, 3)), ("gpt", "adam", (0, 3)))
+                for zoo, optimizer, stages in (("mlp", "adam", (0, 1, 2, 3)), ("gpt", "adam", (0, 1, 2, 3)))
                 for stage in stages]
 
 
 def pure_low_precision_reference(config: dict, world: int, initial: dict) -> dict:
     """Eager use_pure_fp16 on the same shards: a bfloat16 copy of the model runs each shard's forward and backward
-    (the loss in float32), the shards' gradients are cast to float32 and averaged, and the optimizer updates float32
+    (the loss in float32), the shards' bfloat16 gradients are averaged in bfloat16 (as Paddle and torch DDP
+    communicate a bfloat16 parameter's gradient), the average is cast to float32 and the optimizer updates float32
     master weights, which are rounded into the bfloat16 parameters. Returns (the mean loss of each step, the state)."""
     entry = ZOO[config["zoo"]]
     master = make_model(config)
@@ -64,7 +65,7 @@ def pure_low_precision_reference(config: dict, world: int, initial: dict) -> dic
     opt = OPTIMIZERS[config["optimizer"]](master.parameters())
     losses = []
     for batch in global_batches(config["zoo"], config["steps"]):
-        grads = [torch.zeros_like(p) for p in master.parameters()]
+        grads = [torch.zeros_like(p) for p in low.parameters()]
         losses.append(torch.zeros(()))
         for rank in range(world):
             *inputs, target = shard(batch, rank, world)
@@ -74,9 +75,9 @@ def pure_low_precision_reference(config: dict, world: int, initial: dict) -> dic
             loss.backward()
             losses[-1] += loss.detach() / world
             for grad, param in zip(grads, low.parameters()):
-                grad += param.grad.float()
+                grad += param.grad
         for param, grad in zip(master.parameters(), grads):
-            param.grad = grad / world
+            param.grad = (grad / world).float()
         opt.step()
         with torch.no_grad():
             for param, value in zip(low.parameters(), master.parameters()):
@@ -184,10 +185,10 @@ def test_pure_low_precision_stages_equal_data_parallel_and_hold_their_pieces(tmp
     """use_pure_fp16 (bfloat16): every stage trains bit for bit as unsharded data parallel (losses, every parameter,
     evaluation), which is within bfloat16 tolerance of eager use_pure_fp16 (`pure_low_precision_reference`).
     Stage 3 holds bfloat16 pieces, whole when gathered (full_state_dict). Per-rank bytes against the table's
-    use_pure_fp16 row: parameters and optimizer state as the row says; gradients are kept in float32 (averaged as
-    data parallel averages them), 4 bytes each where the row counts 2, so the totals are within 10% of the row with
-    4-byte gradients (`formula_bytes_as_kept`), and above the row itself by exactly the gradients' extra 2 bytes
-    (sharding_memory.py). The row itself is missed: 12.5% over at stage 3."""
+    use_pure_fp16 row: gradients are averaged and kept in bfloat16 (passes/data_parallel/low_precision.py), so the
+    totals are exactly the row at stages 2 and 3 (flat pieces) and on average over the ranks at stage 1, where each
+    rank is within 10% of it on the gpt (whole parameters: on the mlp the rank owning fc2.weight, 59% of the model,
+    is 11% over)."""
     results = spawn(2, "train_sharded", {"configs": PURE_CONFIGS}, tmp_path, deadline_s=400,
                     module="fleet.sharding_workers")
     assert_all_ok(results)
@@ -215,11 +216,16 @@ def test_pure_low_precision_stages_equal_data_parallel_and_hold_their_pieces(tmp
             memory = ours["memory"]
             psi, n = memory["parameters"], 2
             row = {1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}[stage]
-            as_kept = {1: 6 * psi + 12 * psi / n, 2: 2 * psi + 16 * psi / n, 3: 18 * psi / n}[stage]
-            assert memory["formula_bytes"] == round(row) and memory["formula_bytes_as_kept"] == round(as_kept)
-            assert abs(memory["total_bytes"] - as_kept) <= 0.1 * as_kept, (stage, memory)
-            if stage >= 2:  # flat pieces: exactly the row, plus 2 bytes per gradient element kept
-                assert memory["total_bytes"] == round(row + 2 * psi / n), (stage, memory)
+            assert memory["formula_bytes"] == round(row)
+            assert memory["gradient_bytes"] == 2 * psi / (n if stage >= 2 else 1), (stage, memory)
+            if stage >= 2:  # flat pieces: exactly the row
+                assert memory["total_bytes"] == round(row), (stage, memory)
+            else:  # whole parameters: bfloat16 parameters and gradients, and the state of what this rank owns
+                assert memory["total_bytes"] == 4 * psi + memory["optimizer_state_bytes"], memory
+            if config["zoo"] == "gpt" or stage >= 2:  # (the mlp's stage 1: one matrix is 59% of it, see below)
+                assert abs(memory["total_bytes"] - row) <= 0.1 * row, (config["zoo"], stage, memory)
+        if stage == 1:  # the ranks' owned shares add up to the whole state: on average exactly the row
+            assert sum(rank[i]["memory"]["total_bytes"] for rank in runs) == round(2 * row), config
         if stage == 3:
             held = [rank[i]["held_param_elements"] for rank in runs]
             assert sum(held) == runs[0][i]["memory"]["parameters"] and max(held) < sum(held), held

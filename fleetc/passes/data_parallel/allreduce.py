@@ -2,8 +2,9 @@
 
 Runs only in data-parallel Programs (`metadata["data_parallel"]`, stamped by fleet's trainer). The
 producer's result is renamed `<param>@GRAD@LOCAL`; the allreduce's wait defines `<param>@GRAD`
-again, so the optimizer ops and fetches read the averaged gradient without being touched. Under AMP the
-gradient averaged is the float32 cast of a low-precision gradient (name_full_precision_gradients).
+again, so the optimizer ops and fetches read the averaged gradient without being touched. Under AMP (O1) the
+gradient averaged is the float32 cast of a low-precision gradient (name_full_precision_gradients); under
+use_pure_fp16 a low-precision parameter's gradient is averaged in its own dtype and cast after (low_precision.py).
 Communicator groups the Program uses are listed in `metadata["collective_groups"]`. Under gradient
 merge the accumulators are allreduced in its update block instead (allreduce_merged.py).
 """
@@ -30,7 +31,12 @@ from fleetc.passes.data_parallel.common import (
     START,
     WAIT,
     common_module,
+    is_backward,
     var_numel,
+)
+from fleetc.passes.data_parallel.low_precision import (
+    average_in_low_precision,
+    average_in_parameter_dtype,
 )
 from fleetc.passes.data_parallel.merged import (
     insert_update_block_allreduces,
@@ -57,22 +63,15 @@ def gradient_vars(program: Program) -> list[str]:
     return grads
 
 
-def _is_backward(op: Op) -> bool:
-    """A backward op, not part of the update: where a parameter's gradient is also the gradient flowing on (with a
-    batch of one, `x + pos` gives `pos` and `x` the same gradient Var), it must read the rank's own value, as eager
-    autograd does; only the update reads the average."""
-    return OpRole.BACKWARD in op.role and not op.role & (OpRole.OPTIMIZE | OpRole.LR_SCHED)
-
-
 def name_full_precision_gradients(program: Program, grads: list[str]) -> None:
     """Under AMP (O1) a float32 parameter's gradient is computed in low precision and cast back: make the cast the
-    gradient the ranks average, `<param>@GRAD`, and rename the low-precision one `<param>@GRAD@<dtype>`. Under
-    `use_pure_fp16` the same holds for the cast that feeds the float32 master weight's update: the cast sits in
-    backward, where reads of `<param>@GRAD` mean the rank's own value, so without the rename the update would read
-    the local gradient, not the average.
+    gradient the ranks average, `<param>@GRAD`, and rename the low-precision one `<param>@GRAD@<dtype>`. Where
+    the accumulators of a pipeline's micro-batches are what is averaged, the same holds under `use_pure_fp16` for
+    the cast that feeds the float32 master weight's update (as Paddle accumulates master gradients in float32);
+    plain data parallel averages those gradients in low precision instead (low_precision.py).
 
     Paddle and torch DDP sum a float32 parameter's gradient in float32; summing the bfloat16 one loses precision
-    that only Paddle's `fp16_allreduce` opts into. Renaming (rather than averaging the cast under its own name)
+    that only Paddle's `fp16_allreduce` opts into (low_precision.py's `average_in_low_precision`). Renaming (rather than averaging the cast under its own name)
     keeps every later pass's rule that the averaged gradient of `p` is `p@GRAD`."""
     block = program.global_block
     mapping: dict[str, str] = {}
@@ -134,7 +133,7 @@ class InsertAllreduce:
     name = "insert_allreduce"
     enabled_by = None  # always in the order: it decides for itself whether there is work
     summary = "average every gradient across data-parallel ranks, right after its last producer"
-    reads = ("use_hierarchical_allreduce", "hierarchical_allreduce_inter_nranks", "nccl_comm_num")
+    reads = ("use_hierarchical_allreduce", "hierarchical_allreduce_inter_nranks", "nccl_comm_num", "fp16_allreduce")
 
     def run(self, program: Program, config: Any) -> tuple[Program, PassReport]:
         report = PassReport(self.name)
@@ -153,7 +152,23 @@ class InsertAllreduce:
         block = program.global_block
         merged = merged_values(program)  # gradient merge: its accumulators are allreduced instead, once per k steps
         if not merged:  # (under AMP the merged values already are the float32 casts)
-            name_full_precision_gradients(program, gradient_vars(program))
+            grads = gradient_vars(program)
+            low = average_in_parameter_dtype(program, grads)  # use_pure_fp16: in the parameter's dtype
+            name_full_precision_gradients(program, [g for g in grads if g not in low])
+            if low:
+                report.notes.append(f"use_pure_fp16: {len(low)} gradients averaged and kept in their parameters' "
+                                    f"{program.var(low[0]).dtype}, as Paddle and torch DDP communicate them; the "
+                                    "float32 master updates read the cast of the average")
+            if config.fp16_allreduce:
+                cast = average_in_low_precision(program, [g for g in grads if g not in low])
+                report.count("fp16_allreduce_gradients", len(cast))
+                report.notes.append(f"fp16_allreduce: {len(cast)} float32 gradients cast to {program.var(cast[0]).dtype} "
+                                    "for the average and back to float32 after it" if cast else
+                                    "fp16_allreduce: no float32 gradient to cast (every gradient is averaged in low "
+                                    "precision already)")
+        elif config.fp16_allreduce:
+            report.notes.append("fp16_allreduce not applied: under gradient merge the float32 accumulators are "
+                                "averaged once per k steps")
         grads = gradient_vars(program)
         production_index = {g: i for i, g in enumerate(grads)}
         per_step = {} if merged else production_index
@@ -161,7 +176,7 @@ class InsertAllreduce:
         local_names: dict[str, str] = {}  # gradient → its rank-local value, for backward ops that read it
         dead = dead_op_names(program, block, set(program.fetches.values()))  # left to DCE, as they are
         for op in block.ops:
-            if local_names and _is_backward(op) and op.name not in dead:
+            if local_names and is_backward(op) and op.name not in dead:
                 program.rename_reads(op, local_names)
             ops.append(op)
             produced = [g for g in op.defined if g in per_step]

@@ -78,19 +78,35 @@ PURE_BF16 = {"amp": True, "amp_configs": {"use_pure_fp16": True, "use_fp16_guard
 
 
 def test_pure_low_precision_updates_pieces_of_the_averaged_gradients(mlp):
-    """use_pure_fp16: the master weights' gradient is the float32 cast, averaged (name_full_precision_gradients),
-    so stage 2 cuts it into pieces like any other (tests/fleet/test_sharding.py trains it against data parallel)."""
+    """use_pure_fp16: the bfloat16 gradients are reduce-scattered (low_precision.py) and the master weight's update
+    reads the float32 cast of the averaged piece, so stage 2 cuts it into pieces like any other
+    (tests/fleet/test_sharding.py trains it against data parallel)."""
     final, report = rank_0(mlp, **PURE_BF16)
     assert report.stats["params_split"] >= 1
+    scattered = [final.var(op.outputs[0]) for _, op in final.walk_ops() if op.type == RS_WAIT]
+    assert scattered and {var.dtype for var in scattered} == {"bfloat16"}
+    unsharded, _ = run_data_parallel_passes(mlp, 2, **PURE_BF16)  # the pre-launch estimate counts 2-byte pieces
+    assert rank_plans(unsharded, 2, 2)[0].gradient_bytes == sum(var.nbytes() for var in scattered) == 2 * 3461
     update = next(op for _, op in final.walk_ops() if op.attrs.get("param") == "fc2.weight")
     assert update.args[0].name == "fc2.weight@master_weight" and tuple(final.var(update.args[1].name).shape) == (2811,)
+
+
+def test_fp16_allreduce_reduce_scatters_bfloat16_pieces_and_updates_from_their_float32_cast(mlp):
+    """fp16_allreduce under stage 2 (float32 parameters, CPU): the buckets are reduce-scattered in bfloat16, and
+    each update reads the float32 cast of its averaged piece (fc2.weight cut at 2811 elements on rank 0)."""
+    final, report = rank_0(mlp, fp16_allreduce=True)
+    assert report.stats["params_split"] >= 1
+    assert {final.var(op.outputs[0]).dtype for _, op in final.walk_ops() if op.type == RS_WAIT} == {"bfloat16"}
+    update = next(op for _, op in final.walk_ops() if op.attrs.get("param") == "fc2.weight")
+    gradient = final.var(update.args[1].name)
+    assert gradient.dtype == "float32" and tuple(gradient.shape) == (2811,)
 
 
 def test_stage_3_with_pure_low_precision_holds_low_precision_pieces_and_float32_master_pieces(mlp):
     """use_pure_fp16 under stage 3, rank 0 of 2: the gathers bring the bfloat16 parameters (not the master weights);
     fc2.weight is cut at 1349 of 4096 (rank 0 holds fc1.* and that piece: 2048 + 64 + 1349 = 3461 elements), its
     Var, master weight, moments, gradient piece and the unscaled piece are all 1349 elements, and the update reads
-    the unscaled piece of the averaged float32 gradient. Every parameter's declared dtype is stamped, those this
+    the unscaled float32 cast of the averaged bfloat16 gradient piece. Every parameter's declared dtype is stamped, those this
     rank drops included: the module's copies of them must be bfloat16 too, or the ranks' gathers disagree in size
     (tests/fleet/test_sharding_stage3_flat.py trains it against data parallel on 2 ranks)."""
     stamped = mlp.clone()
@@ -109,6 +125,7 @@ def test_stage_3_with_pure_low_precision_holds_low_precision_pieces_and_float32_
     for name in ("fc2.weight", "fc2.weight@master_weight", "fc2.weight@GRAD", update.args[1].name):
         assert tuple(final.find_var(name, 1).shape) == (1349,), name
     assert final.find_var("fc2.weight@master_weight").dtype == "float32"
+    assert final.find_var("fc2.weight@GRAD", 1).dtype == "bfloat16"
     assert final.metadata["state_pieces"]["fc2.weight@master_weight"] == [0, 1349]
     assert history["sharding"].report.stats["found_inf_allreduces"] == 1
 
