@@ -86,6 +86,7 @@ def fleet_train(rank: int, args: dict, out_dir: str) -> None:
     stage_params = {n for s in pipe.chunks for n in pipe.plan.stages[s].params}
     # stage 3: the elements of its stage's parameters this rank holds between steps
     held = {n: p.numel() for n, p in model.named_parameters() if n in stage_params}
+    memory = trainer.memory_stats().get("sharding")  # this rank's stage: Ψ its parameters
     named = _current(trainer, model)  # before a checkpoint gathers the rest
     full = trainer.full_state_dict() if args.get("sharding_stage") == 3 else None  # every stage's, on every rank
     evaluated = trainer(batch[0]) if args.get("evaluate") else None   # every rank calls it
@@ -97,6 +98,7 @@ def fleet_train(rank: int, args: dict, out_dir: str) -> None:
     torch.save({"losses": losses, "mesh": str(trainer.mesh), "executor": type(pipe).__name__, "evaluated": evaluated, "resumed": resumed,
                 "eval_executor": eval_executor,
                 "skipped": trainer.report().skipped, "sharding": sharding, "held": held, "full": full,
+                "memory": memory,
                 "params": {n: named[n] for n in stage_params}},
                os.path.join(out_dir, f"rank{rank}.pt"))
     fleet.barrier_worker()

@@ -83,6 +83,7 @@ def test_sharded_stages_of_a_pipeline_match_eager(zoo_name, stage, clip_norm, k_
         assert all("tok.weight" in r.result["params"] for r in results)  # tied: both stages hold it
     replica_losses = torch.tensor([results[mesh.rank(sharding=i)].result["losses"] for i in range(SHARDS)])
     torch.testing.assert_close(replica_losses.mean(0), torch.tensor(losses, dtype=replica_losses.dtype))
+    _check_memory(results, stage)
     if args["checkpoint"]:
         _check_checkpoint(results, tmp_path / "checkpoint")
         _check_resharding(tmp_path / "checkpoint", tmp_path)
@@ -125,7 +126,20 @@ def test_stage_3_of_a_pipeline_holds_pieces_and_matches_eager(tmp_path):
         assert all(0 < h <= -(-whole // SHARDS) + SHARDS for h in held), held  # about even
     replica_losses = torch.tensor([results[mesh.rank(sharding=i)].result["losses"] for i in range(SHARDS)])
     torch.testing.assert_close(replica_losses.mean(0), torch.tensor(losses, dtype=replica_losses.dtype))
+    _check_memory(results, 3)
     _check_checkpoint(results, tmp_path / "checkpoint")
+
+
+def _check_memory(results: list, stage: int) -> None:
+    """memory_stats() counts this rank's pipeline stage: Ψ is the stage's parameters (not the whole model's), and
+    the measured parameter, gradient and optimizer-state bytes are within 10% of the formula for that Ψ; under
+    stage 3 the stage's whole parameters are in flight during the step."""
+    for r in results:
+        memory = r.result["memory"]
+        numel = sum(value.numel() for value in r.result["params"].values())
+        assert memory["stage"] == stage and memory["degree"] == SHARDS and memory["parameters"] == numel, memory
+        assert abs(memory["total_bytes"] - memory["formula_bytes"]) <= 0.1 * memory["formula_bytes"], (r.rank, memory)
+        assert (memory["gathered_in_flight_bytes"] >= 4 * numel) == (stage == 3), (r.rank, memory)
 
 
 def _check_evaluation(results: list, zoo_name: str, params: dict, steps: int) -> None:

@@ -98,6 +98,12 @@ def _belongs_to(program: Program, op: Op, params: set[str]) -> bool:
     return any(name in params or bindings.get(name, [None])[0] in params for name in op.defined)
 
 
+def _record_param_dtypes(program: Program, meta: dict) -> None:
+    """Stage 3: every parameter's dtype as the Programs declare it (use_pure_fp16: low precision), those this rank
+    holds nothing of and drops from its Program included: the module holds them in it too (fleet/sharded_params.py)."""
+    meta["param_dtypes"] = {v.name: v.dtype for v in program.persistables() if v.kind is VarKind.PARAM}
+
+
 class Sharding:
     name = "sharding"
     enabled_by = "sharding"
@@ -124,9 +130,7 @@ class Sharding:
             return self._pipeline_stage_3(program, meta, updates, report)
         if stage == 3:
             program.metadata.setdefault("collective_groups", {}).update(meta["groups"])
-            # every parameter's dtype as the Programs declare it (use_pure_fp16: low precision), those this rank
-            # holds nothing of and drops from its Program included: the module holds them in it too
-            meta["param_dtypes"] = {v.name: v.dtype for v in program.persistables() if v.kind is VarKind.PARAM}
+            _record_param_dtypes(program, meta)
             refusal = self._flat_stage_3_refusal(program, meta, updates)
             if refusal is None:
                 return self._flat_stage_3(program, meta, config, updates, report)
@@ -270,6 +274,8 @@ class Sharding:
             raise PassStrategyError(f"sharding_configs.stage 3 with strategy.pipeline and {name} is not supported "
                                     "yet; use sharding_configs.stage 2 with it")
         meta["per_stage"] = {"stage": stage, "segment_broadcast_MB": config.sharding_configs.segment_broadcast_MB}
+        if stage == 3:
+            _record_param_dtypes(program, meta)
         report.notes.append(f"pipeline: stage {stage} over {meta['degree']} ranks runs on each pipeline stage's "
                             "optimizer Program, over that stage's sharding group (see pipeline_split)"
                             + ("; each stage's parameters are held as flat pieces between steps and gathered once "
