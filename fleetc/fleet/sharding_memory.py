@@ -46,12 +46,13 @@ def formula_bytes(optimizer: torch.optim.Optimizer, numel: int, degree: int, sta
     return round(params + grads + state * numel / degree)
 
 
-def kept_gradients(program: Program, reduce_scatter_wait: str) -> list[Var]:
-    """The gradients the rank keeps for its update: its reduce-scattered shards, else every gradient."""
+def kept_gradients(program: Program, reduce_scatter_wait: str, grads: dict[str, str] | None = None) -> list[Var]:
+    """The gradients the rank keeps for its update: its reduce-scattered shards, else every gradient (`grads`:
+    parameter → gradient name, where the Program's metadata does not say, as in a pipeline stage's Program)."""
     shards = [program.var(op.outputs[0]) for _, op in program.walk_ops() if op.type == reduce_scatter_wait]
     if shards:
         return shards
-    grads = program.metadata.get("optimizer", {}).get("grads", {})
+    grads = grads or program.metadata.get("optimizer", {}).get("grads", {})
     return [v for name in grads.values() if (v := program.find_var(name)) is not None]
 
 
@@ -63,19 +64,21 @@ def gather_buffer_bytes(program: Program, gather_wait: str) -> int:
 
 def per_rank_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, programs: list[Program], degree: int,
                    stage: int, reduce_scatter_wait: str, gather_wait: str, whole_numel: int | None = None,
-                   held: set[str] | None = None, in_flight: int | None = None) -> dict[str, Any]:
+                   held: set[str] | None = None, in_flight: int | None = None,
+                   grads: dict[str, str] | None = None) -> dict[str, Any]:
     """This rank's parameter, gradient and optimizer-state bytes, and the formula's total for comparison.
     `programs`: those whose kept gradients and accumulators count (the training Program; under a pipeline this
     rank's stages' optimizer Programs). `held`: the parameters that make Ψ (None: every one; under a pipeline this
     rank's stages'). `whole_numel`: Ψ under stage 3, where the module holds only this rank's pieces. `in_flight`:
-    the stage-3 bytes gathered in flight, when not the training Program's two largest gathered buckets."""
+    the stage-3 bytes gathered in flight, when not the training Program's two largest gathered buckets. `grads`:
+    parameter → gradient name, for Programs whose metadata does not say (`kept_gradients`)."""
     params = [p for name, p in model.named_parameters() if held is None or name in held]
     numel = sum(p.numel() for p in params) if whole_numel is None else whole_numel
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     ids = {id(p) for p in params}
     state_bytes = sum(t.numel() * t.element_size() for p, slot in optimizer.state.items() if id(p) in ids
                       for t in slot.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
-    kept = [v for program in programs for v in kept_gradients(program, reduce_scatter_wait)]
+    kept = [v for program in programs for v in kept_gradients(program, reduce_scatter_wait, grads)]
     grads = sum(v.nbytes() for v in kept)
     element = torch.empty((), dtype=kept[0].torch_dtype).element_size() if kept else None
     low = any(p.dtype in (torch.float16, torch.bfloat16) for p in params)
@@ -91,13 +94,17 @@ def per_rank_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, programs:
             "merge_accumulator_bytes": accumulators, "gathered_in_flight_bytes": in_flight}
 
 
-def stage_share(plan: PipelinePlan, chunks: list[int], shapes: dict[str, torch.Size]) -> dict[str, Any]:
-    """Under a pipeline, `per_rank_bytes`'s view of this rank's stages `chunks`: Ψ is their parameters (`shapes`:
-    every parameter's whole shape), their optimizer Programs keep the gradients, and under stage 3 their gather
-    Programs' buffers are in flight (each stage's whole parameters, from its first forward to its last backward)."""
+def stage_share(program: Program, plan: PipelinePlan, chunks: list[int],
+                shapes: dict[str, torch.Size]) -> dict[str, Any]:
+    """Under a pipeline, `per_rank_bytes`'s view of this rank's stages `chunks` of the training `program`: Ψ is their
+    parameters (`shapes`: every parameter's whole shape), their optimizer Programs keep the averaged gradients (or
+    shards of them), and under stage 3 their gather Programs' buffers are in flight (each stage's whole parameters,
+    from its first forward to its last backward)."""
     stages = [plan.stages[s] for s in chunks]
     held = {name for stage in stages for name in stage.params if name in shapes}
+    grads = program.metadata.get("optimizer", {}).get("grads", {})
     return {"programs": [stage.phases["optimizer"] for stage in stages], "held": held,
+            "grads": {param: grad for param, grad in grads.items() if param in held},
             "whole_numel": sum(shapes[name].numel() for name in held),
             "in_flight": sum(gathered_bytes(stage.phases[GATHER_PHASE]) for stage in stages
                              if GATHER_PHASE in stage.phases)}

@@ -214,7 +214,7 @@ class DataParallelTrainer(CompiledTrainer):
             share: dict[str, Any] = {"programs": [self.program], "whole_numel": whole_numel}
             if (pipeline := self._distributed_pipeline()) is not None:  # this rank's pipeline stages only
                 shapes = getattr(self._sharded_params, "shapes", {n: p.shape for n, p in self.model.named_parameters()})
-                share = stage_share(pipeline.plan, pipeline.chunks, shapes)
+                share = stage_share(self.program, pipeline.plan, pipeline.chunks, shapes)
             stats["sharding"] = per_rank_bytes(self.model, self.optimizer, degree=self.mesh.sharding,
                                                stage=self.config.sharding_configs.stage, reduce_scatter_wait=RS_WAIT,
                                                gather_wait=GATHER_WAIT, **share)
