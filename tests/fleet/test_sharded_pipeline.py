@@ -22,12 +22,16 @@ from fleetc.comm.mesh import ProcessMesh
 from fleetc.errors import CheckpointError
 from fleetc.fleet.sharded_state import SHARD_FILE
 from fleetc.passes.data_parallel.common import START
+from fleetc.passes.pipeline_parallel.clip import GLOBAL as GLOBAL_CLIP
+from fleetc.passes.pipeline_parallel.clip import SQUARED_NORM
+from fleetc.passes.sharding.clip_sharding import NORM_SUM
 from fleetc.passes.sharding.optimizer_sharding import GATHER, RS_START
 from fleetc.passes.sharding.param_sharding import GATHER_START as PARAM_GATHER_START
 from fleetc.passes.sharding.param_sharding import GATHER_WAIT as PARAM_GATHER_WAIT
 from fleetc.runtime import checkpoint_commit
 
 pytestmark = pytest.mark.slow  # CI still runs them
+SHARED_SUM = "fleetc.pipeline_shared_sum"  # a value summed over the pipeline stages
 
 STEPS, MICROBATCHES, STAGES, SHARDS = 2, 2, 2, 2
 RESUMED = 2  # steps the other meshes take after loading the checkpoint
@@ -90,19 +94,25 @@ def test_sharded_stages_of_a_pipeline_match_eager(zoo_name, stage, clip_norm, k_
         _check_misfits(tmp_path / "checkpoint")
 
 
-def test_stage_3_of_a_pipeline_holds_pieces_and_matches_eager(tmp_path):
+@pytest.mark.parametrize("clip_norm, k_steps", [(None, 1), (0.05, 2)])
+def test_stage_3_of_a_pipeline_holds_pieces_and_matches_eager(clip_norm, k_steps, tmp_path):
     """Stage 3: each rank holds a flat piece of its stage's parameters between steps; the stage's gather Program
     makes them whole once per step, the optimizer Program reduce-scatters and updates the pieces. Every rank
     matches eager PyTorch (losses, every parameter), full_state_dict is whole on every rank, evaluation and the
-    checkpoint (saved whole, resumed on the same mesh and in one process) work."""
-    args = {"model": "gpt", "mode": "1F1B", "microbatches": MICROBATCHES, "steps": STEPS, "stages": STAGES,
-            "batch": 4, "sharding_stage": 3, "evaluate": True, "checkpoint": True}
+    checkpoint (saved whole, resumed on the same mesh and in one process) work. Composed, in one run: global-norm
+    clipping (the norm's squares summed over the stage's sharding group, then over the stages) and gradient merge
+    (the optimizer Program, so its reduce-scatter, runs once per k_steps steps), against eager PyTorch clipping the
+    global norm of the gradients averaged over k_steps steps."""
+    steps = STEPS * k_steps
+    args = {"model": "gpt", "mode": "1F1B", "microbatches": MICROBATCHES, "steps": steps, "stages": STAGES,
+            "batch": 4, "sharding_stage": 3, "evaluate": True, "checkpoint": k_steps == 1, "clip_norm": clip_norm,
+            "k_steps": k_steps}
     results = spawn(STAGES * SHARDS, "fleet_train", args, tmp_path, deadline_s=300, module="fleet.pipeline_workers")
     for r in results:
         assert r.returncode == 0, r.output[-3000:]
     mesh = ProcessMesh(pp=STAGES, sharding=SHARDS)
-    losses, params = fleet_reference("gpt", STAGES, SHARDS * MICROBATCHES, STEPS)
-    _check_evaluation(results, "gpt", params, STEPS)
+    losses, params = fleet_reference("gpt", STAGES, SHARDS * MICROBATCHES, steps, k_steps, clip_norm)
+    _check_evaluation(results, "gpt", params, steps)
     expected = _trained("gpt", params).state_dict()
     for r in results:
         assert r.result["executor"] == "DistributedPipeline" and r.result["mesh"] == str(mesh)
@@ -127,7 +137,12 @@ def test_stage_3_of_a_pipeline_holds_pieces_and_matches_eager(tmp_path):
     replica_losses = torch.tensor([results[mesh.rank(sharding=i)].result["losses"] for i in range(SHARDS)])
     torch.testing.assert_close(replica_losses.mean(0), torch.tensor(losses, dtype=replica_losses.dtype))
     _check_memory(results, 3)
-    _check_checkpoint(results, tmp_path / "checkpoint")
+    if clip_norm is not None:  # the squared norm of this rank's pieces, summed over the sharding group, then stages
+        order = [kind for kind in results[0].result["sharding"]["optimizer_ops"]
+                 if kind in (SQUARED_NORM, NORM_SUM, SHARED_SUM, GLOBAL_CLIP)]
+        assert order == [SHARED_SUM, SQUARED_NORM, NORM_SUM, SHARED_SUM, GLOBAL_CLIP], order
+    if args["checkpoint"]:
+        _check_checkpoint(results, tmp_path / "checkpoint")
 
 
 def _check_memory(results: list, stage: int) -> None:
