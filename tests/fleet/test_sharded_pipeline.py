@@ -25,7 +25,7 @@ from fleetc.passes.data_parallel.common import START
 from fleetc.passes.pipeline_parallel.clip import GLOBAL as GLOBAL_CLIP
 from fleetc.passes.pipeline_parallel.clip import SQUARED_NORM
 from fleetc.passes.sharding.clip_sharding import NORM_SUM
-from fleetc.passes.sharding.optimizer_sharding import GATHER, RS_START
+from fleetc.passes.sharding.optimizer_sharding import CHECK_FINITE, FOUND_INF_MAX, GATHER, RS_START
 from fleetc.passes.sharding.param_sharding import GATHER_START as PARAM_GATHER_START
 from fleetc.passes.sharding.param_sharding import GATHER_WAIT as PARAM_GATHER_WAIT
 from fleetc.runtime import checkpoint_commit
@@ -143,6 +143,38 @@ def test_stage_3_of_a_pipeline_holds_pieces_and_matches_eager(clip_norm, k_steps
         assert order == [SHARED_SUM, SQUARED_NORM, NORM_SUM, SHARED_SUM, GLOBAL_CLIP], order
     if args["checkpoint"]:
         _check_checkpoint(results, tmp_path / "checkpoint")
+
+
+# bf16 AMP whose first step overflows (a scale of 1e38) on some rank's gradients: every rank must skip it, then
+# continue at 1e8
+OVERFLOWING_AMP = {"init_loss_scaling": 1e38, "decr_every_n_nan_or_inf": 1, "decr_ratio": 1e-30,
+                   "incr_every_n_steps": 1}
+
+
+@pytest.mark.skipif(not os.environ.get("FLEETC_FULL"), reason="two 4-process runs; FLEETC_FULL=1 runs them")
+def test_stage_3_of_a_pipeline_under_amp_equals_the_unsharded_pipeline(tmp_path):
+    """Stage 3 × pipeline × bf16 AMP with dynamic loss scaling: each rank checks only the gradient pieces it keeps,
+    found_inf is max-allreduced over the stage's sharding group and then summed over the stages, so the whole
+    pp × sharding mesh skips the overflowing first step together and keeps the same loss-scaling state. Losses,
+    every parameter and the scaling state equal pp=2 × dp=2 without sharding under the same strategy, bit for bit."""
+    args = {"model": "gpt", "mode": "1F1B", "microbatches": MICROBATCHES, "steps": 3, "stages": STAGES, "batch": 4,
+            "amp": OVERFLOWING_AMP}
+    sharded, unsharded = (spawn(STAGES * SHARDS, "fleet_train", {**args, "sharding_stage": stage}, tmp_path / str(stage),
+                                deadline_s=300, module="fleet.pipeline_workers") for stage in (3, None))
+    for r in [*sharded, *unsharded]:
+        assert r.returncode == 0, r.output[-3000:]
+    reference = {name: value for r in unsharded for name, value in r.result["params"].items()}
+    scaling = unsharded[0].result["scaling"]
+    assert scaling[0] < OVERFLOWING_AMP["init_loss_scaling"] and all(r.result["scaling"] == scaling for r in unsharded)
+    mesh, plain = ProcessMesh(pp=STAGES, sharding=SHARDS), ProcessMesh(dp=SHARDS, pp=STAGES)
+    for r in sharded:
+        ops = r.result["sharding"]["optimizer_ops"]
+        assert ops.index(CHECK_FINITE) < ops.index(FOUND_INF_MAX) < ops.index(SHARED_SUM, ops.index(FOUND_INF_MAX))
+        assert r.result["scaling"] == scaling, r.rank
+        replica = mesh.coordinates(r.rank)["sharding"]
+        assert r.result["losses"] == unsharded[plain.rank(dp=replica, pp=0)].result["losses"], r.rank
+        for name, value in r.result["params"].items():
+            assert torch.equal(value, reference[name]), (r.rank, name)
 
 
 def _check_memory(results: list, stage: int) -> None:

@@ -267,9 +267,6 @@ class Sharding:
                                   report: PassReport) -> tuple[Program, PassReport]:
         """Sharding × pipeline: leave the whole Program to the split, which shards each stage's optimizer Program."""
         stage = config.sharding_configs.stage
-        if stage == 3 and config.amp:  # not yet run and checked on processes under a pipeline
-            raise PassStrategyError("sharding_configs.stage 3 with strategy.pipeline and amp is not supported yet; "
-                                    "use sharding_configs.stage 2 with it")
         meta["per_stage"] = {"stage": stage, "segment_broadcast_MB": config.sharding_configs.segment_broadcast_MB}
         if stage == 3:
             _record_param_dtypes(program, meta)
