@@ -9,11 +9,12 @@ import re
 
 import pytest
 import torch
-from helpers.pipeline import staged_gpt_program
+from helpers.pipeline import STAGED, staged_gpt_program
 
 import fleetc
 from fleetc.comm.mesh import ProcessMesh
 from fleetc.errors import PassStrategyError
+from fleetc.fleet.sharded_params import sharded_parameters
 from fleetc.fleet.trainer import sharding_metadata
 from fleetc.ir.program import OpRole, Program
 from fleetc.passes.data_parallel import InsertAllreduce
@@ -118,6 +119,20 @@ def test_stage_3_holds_pieces_of_each_stage_and_gathers_them_once_per_step():
         in_flight = int(re.search(rf"stage {s} (\d+)", runs[0][1].describe()).group(1))
         buckets = len(runs[0][0].metadata["sharding"]["stage_layouts"][s]["param_buckets"])
         assert 4 * sum(covered.values()) <= in_flight <= 4 * (sum(covered.values()) + buckets)
+
+
+def test_stage_3_under_pipeline_keeps_each_parameter_in_the_dtype_its_programs_declare():
+    """The pass records every parameter's declared dtype (use_pure_fp16 declares low precision) and the pipeline's
+    held-parameter bookkeeping keeps each one in it, also a parameter of another stage or one this rank holds
+    nothing of, so the ranks' whole copies (checkpoints, full_state_dict) agree in dtype."""
+    program, _, _ = _split(3, 0)
+    meta = program.metadata["sharding"]
+    model = STAGED["gpt"][0](2)
+    assert set(meta["param_dtypes"]) == {name for name, _ in model.named_parameters()}
+    assert set(meta["param_dtypes"].values()) == {"float32"}
+    declared = {name: "bfloat16" for name in meta["param_dtypes"]}  # as use_pure_fp16 declares them
+    held = sharded_parameters(model, {"sharding": {**meta, "param_dtypes": declared}}, chunks=[0])
+    assert set(held.dtypes.values()) == {torch.bfloat16}
 
 
 def _whole_shape(stage, name: str) -> tuple:
