@@ -6,8 +6,9 @@ with momentum (4, 4, 4), plain SGD (4, 4, 0). Stage 1 divides the optimizer stat
 too, stage 3 the parameters too (so fp32 Adam: 16Ψ → 8Ψ + 8Ψ/N → 4Ψ + 12Ψ/N → 16Ψ/N). Gradient-merge
 accumulators come on top and are reported apart, and so are stage 3's parameters gathered in flight (the
 two largest gathered buckets: the one in use and the one prefetched). Under a pipeline every figure is this rank's
-pipeline stages' (Ψ: their parameters), as each stage is sharded over its own group. Measured: parameters and optimizer state from the live tensors; gradients from the compiled Program (what
-the rank keeps for its update: every gradient, or under stage 2 its shards).
+pipeline stages' (Ψ: their parameters), as each stage is sharded over its own group. Measured: parameters and
+optimizer state from the live tensors; gradients from the compiled Program (what the rank keeps for its update:
+every gradient, or under stage 2 its shards).
 
 Under use_pure_fp16 the table's row counts low-precision gradients (2 bytes), but fleetc averages the float32 cast
 of each gradient (summed in float32, as torch DDP does, so sharded runs equal data parallel bit for bit:

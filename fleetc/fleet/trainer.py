@@ -213,8 +213,9 @@ class DataParallelTrainer(CompiledTrainer):
             whole_numel = self._sharded_params.numel() if self._sharded_params is not None else None
             share: dict[str, Any] = {"programs": [self.program], "whole_numel": whole_numel}
             if (pipeline := self._distributed_pipeline()) is not None:  # this rank's pipeline stages only
-                shapes = getattr(self._sharded_params, "shapes", {n: p.shape for n, p in self.model.named_parameters()})
-                share = stage_share(self.program, pipeline.plan, pipeline.chunks, shapes)
+                whole = {n: p.shape for n, p in self.model.named_parameters()}  # stage 3: the pieces' whole shapes
+                share = stage_share(self.program, pipeline.plan, pipeline.chunks,
+                                    getattr(self._sharded_params, "shapes", whole))
             stats["sharding"] = per_rank_bytes(self.model, self.optimizer, degree=self.mesh.sharding,
                                                stage=self.config.sharding_configs.stage, reduce_scatter_wait=RS_WAIT,
                                                gather_wait=GATHER_WAIT, **share)

@@ -25,7 +25,12 @@ from fleetc.passes.data_parallel.common import START
 from fleetc.passes.pipeline_parallel.clip import GLOBAL as GLOBAL_CLIP
 from fleetc.passes.pipeline_parallel.clip import SQUARED_NORM
 from fleetc.passes.sharding.clip_sharding import NORM_SUM
-from fleetc.passes.sharding.optimizer_sharding import CHECK_FINITE, FOUND_INF_MAX, GATHER, RS_START
+from fleetc.passes.sharding.optimizer_sharding import (
+    CHECK_FINITE,
+    FOUND_INF_MAX,
+    GATHER,
+    RS_START,
+)
 from fleetc.passes.sharding.param_sharding import GATHER_START as PARAM_GATHER_START
 from fleetc.passes.sharding.param_sharding import GATHER_WAIT as PARAM_GATHER_WAIT
 from fleetc.runtime import checkpoint_commit

@@ -144,10 +144,15 @@ def _whole_shape(stage, name: str) -> tuple:
     raise AssertionError(name)
 
 
-def test_stage_3_under_pipeline_refuses_per_gradient_norm_clipping_by_name():
-    """ClipGradByNorm needs each parameter's whole gradient; a pipeline stage under stage 3 holds pieces only."""
-    with pytest.raises(PassStrategyError, match=r"stage 3 with pipeline: fleetc\.clip_by_norm reads whole gradients"):
-        _split(3, 0, clip=fleetc.ClipGradByNorm(0.1))
+@pytest.mark.parametrize("fields, clip, refusal", [
+    ({}, fleetc.ClipGradByNorm(0.1), r"stage 3 with pipeline: fleetc\.clip_by_norm reads whole gradients"),
+    ({"amp": True, "amp_configs": {"use_pure_fp16": True}}, None,
+     "stage 3 with strategy.pipeline and amp_configs.use_pure_fp16 is not supported")])
+def test_stage_3_under_pipeline_refuses_what_it_does_not_build_by_name(fields, clip, refusal):
+    """ClipGradByNorm needs each parameter's whole gradient, and a pipeline stage under stage 3 holds pieces only;
+    use_pure_fp16 is not run with a pipeline under stage 3 (AMP O1 is)."""
+    with pytest.raises(PassStrategyError, match=refusal):
+        _split(3, 0, fields=fields, clip=clip)
 
 
 def test_stage_3_under_pipeline_clips_by_the_norm_over_every_stage_and_piece():
@@ -156,7 +161,7 @@ def test_stage_3_under_pipeline_clips_by_the_norm_over_every_stage_and_piece():
     the kept pieces. Gradient merge leaves the optimizer Programs as they are (the runtime runs them once per
     k_steps steps, so their reduce-scatter too)."""
     for s in range(2):
-        program, plan, _ = _split(3, MESH.rank(pp=s), clip=fleetc.ClipGradByGlobalNorm(0.1))
+        plan = _split(3, MESH.rank(pp=s), clip=fleetc.ClipGradByGlobalNorm(0.1))[1]
         optimizer = plan.stages[s].phases["optimizer"]
         ops = optimizer.global_block.ops
         kept = {name for op in ops if op.type == "fleetc.shard_views" for name in op.outputs}
