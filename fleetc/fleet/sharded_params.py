@@ -177,7 +177,7 @@ def sharded_parameters(model: nn.Module, metadata: dict, chunks: list[int] | Non
                     raise StrategyError(f"sharding stage 3 with pipeline: parameter {name!r} is cut into different "
                                         "pieces by two pipeline stages of this process; run one stage per process")
         return FlatShardedParameters(model, [b for layout in layouts for b in layout["param_buckets"]], pieces,
-                                     sharding["rank"], sharding["degree"])
+                                     sharding["rank"], sharding["degree"], sharding.get("param_dtypes"))
     if sharding.get("param_layout") == "flat":
         return FlatShardedParameters(model, sharding["param_buckets"], sharding["param_pieces"], sharding["rank"],
                                      sharding["degree"], sharding.get("param_dtypes"))

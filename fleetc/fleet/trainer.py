@@ -31,7 +31,7 @@ from fleetc.fleet.sharded_state import (
     save_sharded_checkpoint,
     state_pieces,
 )
-from fleetc.fleet.sharding_memory import per_rank_bytes
+from fleetc.fleet.sharding_memory import per_rank_bytes, stage_share
 from fleetc.ir.program import Program
 from fleetc.passes.manager import History
 from fleetc.passes.optimizers import GradClip
@@ -46,9 +46,13 @@ from fleetc.runtime.checkpoint import (
     rng_state,
     save_checkpoint,
 )
-from fleetc.runtime.pipeline_forward import ForwardPipeline, forward_pipeline
-from fleetc.runtime.pipeline_local import DistributedPipeline, PipelineExecutor, make_pipeline
 from fleetc.runtime.guards import GuardCheck, observe_guards
+from fleetc.runtime.pipeline_forward import ForwardPipeline, forward_pipeline
+from fleetc.runtime.pipeline_local import (
+    DistributedPipeline,
+    PipelineExecutor,
+    make_pipeline,
+)
 from fleetc.runtime.step_cache import DEFAULT_CACHE_LIMIT
 
 
@@ -216,8 +220,13 @@ class DataParallelTrainer(CompiledTrainer):
         stats = super().memory_stats()
         if self._owned is not None and self.optimizer is not None:
             whole_numel = self._sharded_params.numel() if self._sharded_params is not None else None
-            stats["sharding"] = per_rank_bytes(self.model, self.optimizer, self.program, self.mesh.sharding,
-                                               self.config.sharding_configs.stage, RS_WAIT, whole_numel)
+            share: dict[str, Any] = {"programs": [self.program], "whole_numel": whole_numel}
+            if (pipeline := self._distributed_pipeline()) is not None:  # this rank's pipeline stages only
+                whole = {n: p.shape for n, p in self.model.named_parameters()}  # stage 3: the pieces' whole shapes
+                share = stage_share(self.program, pipeline.plan, pipeline.chunks,
+                                    getattr(self._sharded_params, "shapes", whole))
+            stats["sharding"] = per_rank_bytes(self.model, self.optimizer, degree=self.mesh.sharding,
+                                               stage=self.config.sharding_configs.stage, reduce_scatter_wait=RS_WAIT, **share)
         return stats
 
     def whole_parameters(self) -> AbstractContextManager[None]:

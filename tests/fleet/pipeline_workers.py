@@ -65,6 +65,9 @@ def fleet_train(rank: int, args: dict, out_dir: str) -> None:
     if args.get("k_steps", 1) > 1:
         strategy.gradient_merge = True
         strategy.gradient_merge_configs = {"k_steps": args["k_steps"]}
+    if args.get("amp") is not None:  # bf16 AMP (O1) with these amp_configs
+        strategy.amp = True
+        strategy.amp_configs = {"dtype": "bfloat16", **args["amp"]}
     opt = fleet.distributed_optimizer(OPTIMIZERS[optimizer_name](model.parameters()), strategy)
     clip = fleetc.ClipGradByGlobalNorm(args["clip_norm"]) if args.get("clip_norm") else None
     trainer = fleetc.compile(model, optimizer=opt, loss_fn=ZOO[args["model"]].loss_fn, grad_clip=clip)
@@ -84,8 +87,11 @@ def fleet_train(rank: int, args: dict, out_dir: str) -> None:
                 "state_elements": sum(t.numel() for slot in trainer.optimizer.state.values() for t in slot.values()
                                       if isinstance(t, torch.Tensor) and t.dim() > 0)}
     stage_params = {n for s in pipe.chunks for n in pipe.plan.stages[s].params}
+    # AMP: this rank's loss-scaling state after the last step
+    scaling = [float(pipe.held_values(n)[pipe.chunks[0]]) for n in SCALING_STATE] if args.get("amp") else None
     # stage 3: the elements of its stage's parameters this rank holds between steps
     held = {n: p.numel() for n, p in model.named_parameters() if n in stage_params}
+    memory = trainer.memory_stats().get("sharding")  # this rank's stage: Ψ its parameters
     named = _current(trainer, model)  # before a checkpoint gathers the rest
     full = trainer.full_state_dict() if args.get("sharding_stage") == 3 else None  # every stage's, on every rank
     evaluated = trainer(batch[0]) if args.get("evaluate") else None   # every rank calls it
@@ -97,6 +103,7 @@ def fleet_train(rank: int, args: dict, out_dir: str) -> None:
     torch.save({"losses": losses, "mesh": str(trainer.mesh), "executor": type(pipe).__name__, "evaluated": evaluated, "resumed": resumed,
                 "eval_executor": eval_executor,
                 "skipped": trainer.report().skipped, "sharding": sharding, "held": held, "full": full,
+                "memory": memory, "scaling": scaling,
                 "params": {n: named[n] for n in stage_params}},
                os.path.join(out_dir, f"rank{rank}.pt"))
     fleet.barrier_worker()

@@ -22,12 +22,21 @@ from fleetc.comm.mesh import ProcessMesh
 from fleetc.errors import CheckpointError
 from fleetc.fleet.sharded_state import SHARD_FILE
 from fleetc.passes.data_parallel.common import START
-from fleetc.passes.sharding.optimizer_sharding import GATHER, RS_START
+from fleetc.passes.pipeline_parallel.clip import GLOBAL as GLOBAL_CLIP
+from fleetc.passes.pipeline_parallel.clip import SQUARED_NORM
+from fleetc.passes.sharding.clip_sharding import NORM_SUM
+from fleetc.passes.sharding.optimizer_sharding import (
+    CHECK_FINITE,
+    FOUND_INF_MAX,
+    GATHER,
+    RS_START,
+)
 from fleetc.passes.sharding.param_sharding import GATHER_START as PARAM_GATHER_START
 from fleetc.passes.sharding.param_sharding import GATHER_WAIT as PARAM_GATHER_WAIT
 from fleetc.runtime import checkpoint_commit
 
 pytestmark = pytest.mark.slow  # CI still runs them
+SHARED_SUM = "fleetc.pipeline_shared_sum"  # a value summed over the pipeline stages
 
 STEPS, MICROBATCHES, STAGES, SHARDS = 2, 2, 2, 2
 RESUMED = 2  # steps the other meshes take after loading the checkpoint
@@ -83,25 +92,32 @@ def test_sharded_stages_of_a_pipeline_match_eager(zoo_name, stage, clip_norm, k_
         assert all("tok.weight" in r.result["params"] for r in results)  # tied: both stages hold it
     replica_losses = torch.tensor([results[mesh.rank(sharding=i)].result["losses"] for i in range(SHARDS)])
     torch.testing.assert_close(replica_losses.mean(0), torch.tensor(losses, dtype=replica_losses.dtype))
+    _check_memory(results, stage)
     if args["checkpoint"]:
         _check_checkpoint(results, tmp_path / "checkpoint")
         _check_resharding(tmp_path / "checkpoint", tmp_path)
         _check_misfits(tmp_path / "checkpoint")
 
 
-def test_stage_3_of_a_pipeline_holds_pieces_and_matches_eager(tmp_path):
+@pytest.mark.parametrize("clip_norm, k_steps", [(None, 1), (0.05, 2)])
+def test_stage_3_of_a_pipeline_holds_pieces_and_matches_eager(clip_norm, k_steps, tmp_path):
     """Stage 3: each rank holds a flat piece of its stage's parameters between steps; the stage's gather Program
     makes them whole once per step, the optimizer Program reduce-scatters and updates the pieces. Every rank
     matches eager PyTorch (losses, every parameter), full_state_dict is whole on every rank, evaluation and the
-    checkpoint (saved whole, resumed on the same mesh and in one process) work."""
-    args = {"model": "gpt", "mode": "1F1B", "microbatches": MICROBATCHES, "steps": STEPS, "stages": STAGES,
-            "batch": 4, "sharding_stage": 3, "evaluate": True, "checkpoint": True}
+    checkpoint (saved whole, resumed on the same mesh and in one process) work. Composed, in one run: global-norm
+    clipping (the norm's squares summed over the stage's sharding group, then over the stages) and gradient merge
+    (the optimizer Program, so its reduce-scatter, runs once per k_steps steps), against eager PyTorch clipping the
+    global norm of the gradients averaged over k_steps steps."""
+    steps = STEPS * k_steps
+    args = {"model": "gpt", "mode": "1F1B", "microbatches": MICROBATCHES, "steps": steps, "stages": STAGES,
+            "batch": 4, "sharding_stage": 3, "evaluate": True, "checkpoint": k_steps == 1, "clip_norm": clip_norm,
+            "k_steps": k_steps}
     results = spawn(STAGES * SHARDS, "fleet_train", args, tmp_path, deadline_s=300, module="fleet.pipeline_workers")
     for r in results:
         assert r.returncode == 0, r.output[-3000:]
     mesh = ProcessMesh(pp=STAGES, sharding=SHARDS)
-    losses, params = fleet_reference("gpt", STAGES, SHARDS * MICROBATCHES, STEPS)
-    _check_evaluation(results, "gpt", params, STEPS)
+    losses, params = fleet_reference("gpt", STAGES, SHARDS * MICROBATCHES, steps, k_steps, clip_norm)
+    _check_evaluation(results, "gpt", params, steps)
     expected = _trained("gpt", params).state_dict()
     for r in results:
         assert r.result["executor"] == "DistributedPipeline" and r.result["mesh"] == str(mesh)
@@ -125,7 +141,73 @@ def test_stage_3_of_a_pipeline_holds_pieces_and_matches_eager(tmp_path):
         assert all(0 < h <= -(-whole // SHARDS) + SHARDS for h in held), held  # about even
     replica_losses = torch.tensor([results[mesh.rank(sharding=i)].result["losses"] for i in range(SHARDS)])
     torch.testing.assert_close(replica_losses.mean(0), torch.tensor(losses, dtype=replica_losses.dtype))
-    _check_checkpoint(results, tmp_path / "checkpoint")
+    _check_memory(results, 3)
+    if clip_norm is not None:  # the squared norm of this rank's pieces, summed over the sharding group, then stages
+        order = [kind for kind in results[0].result["sharding"]["optimizer_ops"]
+                 if kind in (SQUARED_NORM, NORM_SUM, SHARED_SUM, GLOBAL_CLIP)]
+        assert order == [SHARED_SUM, SQUARED_NORM, NORM_SUM, SHARED_SUM, GLOBAL_CLIP], order
+    if args["checkpoint"]:
+        _check_checkpoint(results, tmp_path / "checkpoint")
+
+
+# bf16 AMP whose first step overflows (a scale of 1e38) on some rank's gradients: every rank must skip it, then
+# continue at 1e8
+OVERFLOWING_AMP = {"init_loss_scaling": 1e38, "decr_every_n_nan_or_inf": 1, "decr_ratio": 1e-30,
+                   "incr_every_n_steps": 1}
+
+
+# the compositions checked against the unsharded pipeline: (extra worker arguments, steps, bit for bit)
+COMPOSED = {"amp": ({"amp": OVERFLOWING_AMP}, 3, True),
+            "clip_merge": ({"clip_norm": 0.05, "k_steps": 2}, 4, False),  # the norm sums pieces: to rounding
+            "amp_clip_merge": ({"amp": OVERFLOWING_AMP, "clip_norm": 0.05, "k_steps": 2}, 6, False)}
+
+
+@pytest.mark.skipif(not os.environ.get("FLEETC_FULL"), reason="two 4-process runs each; FLEETC_FULL=1 runs them")
+@pytest.mark.parametrize("composed", sorted(COMPOSED))
+def test_stage_3_of_a_pipeline_composed_equals_the_unsharded_pipeline(composed, tmp_path):
+    """Stage 3 × pipeline under AMP (bf16, dynamic loss scaling), global-norm clipping with gradient merge, and all
+    three, against pp=2 × dp=2 without sharding under the same strategy. AMP: each rank checks only the gradient
+    pieces it keeps, found_inf is max-allreduced over the stage's sharding group and then summed over the stages,
+    so the whole pp × sharding mesh skips the overflowing first step together and keeps the same loss-scaling
+    state. Losses, every parameter and the scaling state equal the unsharded run's, bit for bit without clipping
+    (with it the squared norm is summed piece by piece: fp32 tolerance)."""
+    extra, steps, exact = COMPOSED[composed]
+    args = {"model": "gpt", "mode": "1F1B", "microbatches": MICROBATCHES, "steps": steps, "stages": STAGES,
+            "batch": 4, **extra}
+    sharded, unsharded = (spawn(STAGES * SHARDS, "fleet_train", {**args, "sharding_stage": stage}, tmp_path / str(stage),
+                                deadline_s=300, module="fleet.pipeline_workers") for stage in (3, None))
+    for r in [*sharded, *unsharded]:
+        assert r.returncode == 0, r.output[-3000:]
+    same = torch.equal if exact else (lambda a, b: torch.allclose(a, b, rtol=1.3e-6, atol=1e-5))
+    reference = {name: value for r in unsharded for name, value in r.result["params"].items()}
+    scaling = unsharded[0].result["scaling"]
+    assert all(r.result["scaling"] == scaling for r in unsharded)
+    if "amp" in extra:  # the first step overflowed and was skipped
+        assert scaling[0] < OVERFLOWING_AMP["init_loss_scaling"]
+    mesh, plain = ProcessMesh(pp=STAGES, sharding=SHARDS), ProcessMesh(dp=SHARDS, pp=STAGES)
+    for r in sharded:
+        ops = r.result["sharding"]["optimizer_ops"]
+        if "amp" in extra:
+            assert ops.index(CHECK_FINITE) < ops.index(FOUND_INF_MAX) < ops.index(SHARED_SUM,
+                                                                                 ops.index(FOUND_INF_MAX))
+        assert r.result["scaling"] == scaling, r.rank
+        replica = mesh.coordinates(r.rank)["sharding"]
+        expected = unsharded[plain.rank(dp=replica, pp=0)].result["losses"]
+        assert same(torch.tensor(r.result["losses"]), torch.tensor(expected)), (r.rank, r.result["losses"], expected)
+        for name, value in r.result["params"].items():
+            assert same(value, reference[name]), (r.rank, name, (value - reference[name]).abs().max())
+
+
+def _check_memory(results: list, stage: int) -> None:
+    """memory_stats() counts this rank's pipeline stage: Ψ is the stage's parameters (not the whole model's), and
+    the measured parameter, gradient and optimizer-state bytes are within 10% of the formula for that Ψ; under
+    stage 3 the stage's whole parameters are in flight during the step."""
+    for r in results:
+        memory = r.result["memory"]
+        numel = sum(value.numel() for value in r.result["params"].values())
+        assert memory["stage"] == stage and memory["degree"] == SHARDS and memory["parameters"] == numel, memory
+        assert abs(memory["total_bytes"] - memory["formula_bytes"]) <= 0.1 * memory["formula_bytes"], (r.rank, memory)
+        assert (memory["gathered_in_flight_bytes"] >= 4 * numel) == (stage == 3), (r.rank, memory)
 
 
 def _check_evaluation(results: list, zoo_name: str, params: dict, steps: int) -> None:

@@ -74,7 +74,6 @@ RS_WAIT = "fleetc.c_sharding_reduce_scatter_wait"
 SHARD_VIEWS = "fleetc.shard_views"
 FOUND_INF_MAX = "fleetc.c_sharding_found_inf_max"
 CHECK_FINITE = "fleetc.check_finite_and_unscale"
-CLIP_OPS = ("fleetc.clip_by", "fleetc.squared_global_norm")  # passes/optimizers/clip.py's
 GROUP = "sharding"
 DP_GROUP = "sharding_dp"
 
@@ -96,6 +95,12 @@ def _belongs_to(program: Program, op: Op, params: set[str]) -> bool:
         return True
     bindings = program.metadata.get("state_bindings", {})
     return any(name in params or bindings.get(name, [None])[0] in params for name in op.defined)
+
+
+def _record_param_dtypes(program: Program, meta: dict) -> None:
+    """Stage 3: every parameter's dtype as the Programs declare it (use_pure_fp16: low precision), those this rank
+    holds nothing of and drops from its Program included: the module holds them in it too (fleet/sharded_params.py)."""
+    meta["param_dtypes"] = {v.name: v.dtype for v in program.persistables() if v.kind is VarKind.PARAM}
 
 
 class Sharding:
@@ -124,9 +129,7 @@ class Sharding:
             return self._pipeline_stage_3(program, meta, updates, report)
         if stage == 3:
             program.metadata.setdefault("collective_groups", {}).update(meta["groups"])
-            # every parameter's dtype as the Programs declare it (use_pure_fp16: low precision), those this rank
-            # holds nothing of and drops from its Program included: the module holds them in it too
-            meta["param_dtypes"] = {v.name: v.dtype for v in program.persistables() if v.kind is VarKind.PARAM}
+            _record_param_dtypes(program, meta)
             refusal = self._flat_stage_3_refusal(program, meta, updates)
             if refusal is None:
                 return self._flat_stage_3(program, meta, config, updates, report)
@@ -264,12 +267,12 @@ class Sharding:
                                   report: PassReport) -> tuple[Program, PassReport]:
         """Sharding × pipeline: leave the whole Program to the split, which shards each stage's optimizer Program."""
         stage = config.sharding_configs.stage
-        clipped = any(op.type.startswith(CLIP_OPS) for op in program.global_block.ops)
-        refused = [(config.amp, "amp"), (config.gradient_merge, "gradient_merge"), (clipped, "grad_clip")]
-        for name in [name for on, name in refused if on and stage == 3]:
-            raise PassStrategyError(f"sharding_configs.stage 3 with strategy.pipeline and {name} is not supported "
-                                    "yet; use sharding_configs.stage 2 with it")
+        if stage == 3 and config.amp and config.amp_configs.use_pure_fp16:  # not run on processes with a pipeline
+            raise PassStrategyError("sharding_configs.stage 3 with strategy.pipeline and amp_configs.use_pure_fp16 "
+                                    "is not supported yet; use AMP without use_pure_fp16, or sharding_configs.stage 2")
         meta["per_stage"] = {"stage": stage, "segment_broadcast_MB": config.sharding_configs.segment_broadcast_MB}
+        if stage == 3:
+            _record_param_dtypes(program, meta)
         report.notes.append(f"pipeline: stage {stage} over {meta['degree']} ranks runs on each pipeline stage's "
                             "optimizer Program, over that stage's sharding group (see pipeline_split)"
                             + ("; each stage's parameters are held as flat pieces between steps and gathered once "

@@ -9,11 +9,12 @@ import re
 
 import pytest
 import torch
-from helpers.pipeline import staged_gpt_program
+from helpers.pipeline import STAGED, staged_gpt_program
 
 import fleetc
 from fleetc.comm.mesh import ProcessMesh
 from fleetc.errors import PassStrategyError
+from fleetc.fleet.sharded_params import sharded_parameters
 from fleetc.fleet.trainer import sharding_metadata
 from fleetc.ir.program import OpRole, Program
 from fleetc.passes.data_parallel import InsertAllreduce
@@ -120,6 +121,20 @@ def test_stage_3_holds_pieces_of_each_stage_and_gathers_them_once_per_step():
         assert 4 * sum(covered.values()) <= in_flight <= 4 * (sum(covered.values()) + buckets)
 
 
+def test_stage_3_under_pipeline_keeps_each_parameter_in_the_dtype_its_programs_declare():
+    """The pass records every parameter's declared dtype (use_pure_fp16 declares low precision) and the pipeline's
+    held-parameter bookkeeping keeps each one in it, also a parameter of another stage or one this rank holds
+    nothing of, so the ranks' whole copies (checkpoints, full_state_dict) agree in dtype."""
+    program, _, _ = _split(3, 0)
+    meta = program.metadata["sharding"]
+    model = STAGED["gpt"][0](2)
+    assert set(meta["param_dtypes"]) == {name for name, _ in model.named_parameters()}
+    assert set(meta["param_dtypes"].values()) == {"float32"}
+    declared = {name: "bfloat16" for name in meta["param_dtypes"]}  # as use_pure_fp16 declares them
+    held = sharded_parameters(model, {"sharding": {**meta, "param_dtypes": declared}}, chunks=[0])
+    assert set(held.dtypes.values()) == {torch.bfloat16}
+
+
 def _whole_shape(stage, name: str) -> tuple:
     """The shape of parameter `name` as the stage's forward or backward reads it (whole)."""
     for phase in ("forward", "backward"):
@@ -129,13 +144,39 @@ def _whole_shape(stage, name: str) -> tuple:
     raise AssertionError(name)
 
 
-@pytest.mark.parametrize("fields, clip, named", [
-    ({"amp": True}, None, "amp"),
-    ({"gradient_merge": True, "gradient_merge_configs": {"k_steps": 2}}, None, "gradient_merge"),
-    ({}, fleetc.ClipGradByValue(0.1), "grad_clip"), ({}, fleetc.ClipGradByGlobalNorm(0.1), "grad_clip")])
-def test_stage_3_under_pipeline_refuses_what_it_does_not_build_by_name(fields, clip, named):
-    with pytest.raises(PassStrategyError, match=f"stage 3 with strategy.pipeline and {named} is not supported"):
+@pytest.mark.parametrize("fields, clip, refusal", [
+    ({}, fleetc.ClipGradByNorm(0.1), r"stage 3 with pipeline: fleetc\.clip_by_norm reads whole gradients"),
+    ({"amp": True, "amp_configs": {"use_pure_fp16": True}}, None,
+     "stage 3 with strategy.pipeline and amp_configs.use_pure_fp16 is not supported")])
+def test_stage_3_under_pipeline_refuses_what_it_does_not_build_by_name(fields, clip, refusal):
+    """ClipGradByNorm needs each parameter's whole gradient, and a pipeline stage under stage 3 holds pieces only;
+    use_pure_fp16 is not run with a pipeline under stage 3 (AMP O1 is)."""
+    with pytest.raises(PassStrategyError, match=refusal):
         _split(3, 0, fields=fields, clip=clip)
+
+
+def test_stage_3_under_pipeline_clips_by_the_norm_over_every_stage_and_piece():
+    """Global-norm clipping: each rank's squared norm is over the gradient pieces it keeps (its shard's views),
+    summed over its sharding group, then over the stages; every clip reads that sum. Clipping by value narrows to
+    the kept pieces. Gradient merge leaves the optimizer Programs as they are (the runtime runs them once per
+    k_steps steps, so their reduce-scatter too)."""
+    for s in range(2):
+        plan = _split(3, MESH.rank(pp=s), clip=fleetc.ClipGradByGlobalNorm(0.1))[1]
+        optimizer = plan.stages[s].phases["optimizer"]
+        ops = optimizer.global_block.ops
+        kept = {name for op in ops if op.type == "fleetc.shard_views" for name in op.outputs}
+        norm = next(op for op in ops if op.type == "fleetc.squared_global_norm")
+        assert norm.args[0] and {ref.name for ref in norm.args[0]} <= kept
+        summed = next(op for op in ops if op.type == "fleetc.c_sharding_norm_sum")
+        over_stages = next(op for op in ops[ops.index(summed):] if op.type == "fleetc.pipeline_shared_sum")
+        assert summed.args[0].name == norm.outputs[0] and over_stages.args[0].name == summed.outputs[0]
+        clip = next(op for op in ops if op.type == "fleetc.clip_by_global_norm")
+        assert ops.index(over_stages) < ops.index(clip) and {ref.name for ref in clip.args[0]} <= kept
+        by_value = _split(3, MESH.rank(pp=s), clip=fleetc.ClipGradByValue(0.1))[1].stages[s].phases["optimizer"]
+        clipped = [op for op in by_value.global_block.ops if op.type == "fleetc.clip_by_value"]
+        assert clipped and all(ref.name in kept for op in clipped for ref in op.args[0])
+    merged = _split(3, 0, fields={"gradient_merge": True, "gradient_merge_configs": {"k_steps": 2}})[1]
+    assert str(merged.stages[0].phases["optimizer"]) == str(_split(3, 0)[1].stages[0].phases["optimizer"])
 
 
 @pytest.mark.parametrize("stage", [2, 3])
