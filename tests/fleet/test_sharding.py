@@ -119,10 +119,35 @@ def test_full_matrix_on_two_ranks(tmp_path):
     check_sharding(results, FULL_CONFIGS, 2)
 
 
+# The same zoo × optimizer matrix on 4 ranks (each rank one sample of the batch of 4), one spawn per stage. gpt ×
+# AdamW is checked against plain data parallel on the same 4 ranks instead of eager (see above).
+FOUR_RANK_CONFIGS = {stage: [{"zoo": zoo, "optimizer": optimizer, "steps": 3, "dropout_off": True,
+                              "strategy": sharded(stage)}
+                             for zoo in ("gpt", "cnn") for optimizer in ("momentum", "adam", "adamw")
+                             if (zoo, optimizer) != ("gpt", "adamw")]
+                     for stage in (1, 2, 3)}
+GPT_ADAMW = {"zoo": "gpt", "optimizer": "adamw", "steps": 3, "dropout_off": True}
+
+
+@pytest.mark.skipif(not os.environ.get("FLEETC_FULL"), reason="the zoo × optimizer matrix on 4 ranks: FLEETC_FULL=1")
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_full_matrix_on_four_ranks(tmp_path, stage):
+    configs = FOUR_RANK_CONFIGS[stage]
+    adamw = [dict(GPT_ADAMW, strategy={}), dict(GPT_ADAMW, strategy=sharded(stage))]
+    results = spawn(4, "train_sharded", {"configs": configs + adamw}, tmp_path, deadline_s=900,
+                    module="fleet.sharding_workers")
+    check_sharding(results, configs, 4)
+    for result in results:
+        plain, run = result.result["runs"][len(configs):]
+        assert run["report"]["sharding"]["owned_params"] > 0 and run["state"].keys() == plain["state"].keys()
+        assert all(torch.equal(run["state"][k], v) for k, v in plain["state"].items())
+        assert any(not torch.equal(run["initial"][k], v) for k, v in run["state"].items())
+
+
 @pytest.mark.skipif(not os.environ.get("FLEETC_FULL"), reason="FLEETC_FULL=1")
 def test_gpt_adamw_equals_plain_data_parallel(tmp_path):
     configs = [{"zoo": "gpt", "optimizer": "adamw", "steps": 3, "dropout_off": True, "strategy": strategy}
-               for strategy in ({}, sharded(1), sharded(2))]
+               for strategy in ({}, sharded(1), sharded(2), sharded(3))]
     results = spawn(2, "train_sharded", {"configs": configs}, tmp_path, deadline_s=300,
                     module="fleet.sharding_workers")
     assert_all_ok(results)
@@ -264,6 +289,44 @@ def test_a_dead_rank_in_the_reduce_scatter_fails_the_survivor_within_the_timeout
     error = survivor.result["error"]
     assert "sharding gradient reduce-scatter 'bucket0'" in error and "rank(s) [1] did not reach it" in error, error
     assert survivor.result["seconds"] < 5.0 + 8.0
+
+
+@pytest.mark.slow
+def test_a_rank_that_owns_no_parameter_trains_as_eager_at_every_stage(tmp_path):
+    """One 1-element parameter on 2 ranks: rank 1 owns nothing at any stage, holds no optimizer state, and still
+    takes part in every collective; both ranks end with eager's parameter, losses and evaluation."""
+    results = spawn(2, "owns_nothing", {}, tmp_path, deadline_s=180, module="fleet.sharding_workers")
+    assert_all_ok(results)
+    for stage, (first, second) in enumerate(zip(*(r.result["runs"] for r in results)), start=1):
+        assert (first["owned"], second["owned"]) == (1, 0), stage
+        assert (first["state_elements"], second["state_elements"]) == (2, 0), stage  # Adam's two moments
+        for step, want in enumerate(first["eager_losses"]):
+            torch.testing.assert_close((first["losses"][step] + second["losses"][step]) / 2, want,
+                                       msg=lambda m, stage=stage: f"stage {stage}: {m}")
+        for run in (first, second):
+            assert run["state"].keys() == run["eager_state"].keys()
+            for name, value in run["eager_state"].items():
+                torch.testing.assert_close(run["state"][name], value, msg=lambda m, stage=stage: f"stage {stage}: {m}")
+            torch.testing.assert_close(run["eval"], run["eager_eval"])
+
+
+@pytest.mark.slow
+def test_a_shard_that_fails_to_write_aborts_the_checkpoint_on_every_rank(tmp_path):
+    """The write is atomic across ranks: rank 1's optimizer shard fails, so no rank commits; both get the error
+    naming rank 1, LATEST still names the first version, nothing of the failed save is left, and loading gives the
+    first save's state."""
+    checkpoint = str(tmp_path / "ckpt")
+    results = spawn(2, "failed_shard_write", {"strategy": sharded(2), "save": checkpoint}, tmp_path / "ranks",
+                    deadline_s=120, module="fleet.sharding_workers")
+    assert_all_ok(results)
+    for result in results:
+        out = result.result
+        assert out["error"] and "rank 1 writing optimizer.shard00001.pt" in out["error"], out["error"]
+        assert "No space left on device" in out["error"]
+        assert out["entries"] == ["LATEST", out["first"]], out["entries"]
+        assert out["loaded_version"] == out["first"]
+        for name, value in results[0].result["saved"].items():
+            assert torch.equal(out["loaded"][name], value), name
 
 
 # Global-norm clipping where each rank keeps only its gradient shards: the squared norm of the kept gradients is
