@@ -59,6 +59,8 @@ def sharded_run(rank: int, config: dict) -> dict:
     # match what they recorded, or every such step would recompile.
     run["guard_failures"] = [step.guards.failure() for step in (trainer._last_train, trainer._last_eval)]
     run["op_types"] = sorted({op.type for _, op in program.walk_ops()})
+    run["applied"], run["skipped"] = trainer.report().applied, trainer.report().skipped
+    run["model_keys"] = list(eager.state_dict())
     if config.get("save"):
         trainer.save_checkpoint(config["save"])
     return run

@@ -34,6 +34,7 @@ TWO_RANK_CONFIGS = [
     {"zoo": "gpt", "optimizer": "adam", "steps": 3, "dropout_off": True,
      "strategy": sharded(2, fuse_grad_size_in_TFLOPS=8)},
     {"zoo": "cnn", "optimizer": "momentum", "steps": 3, "strategy": sharded(2)},
+    {"zoo": "cnn", "optimizer": "momentum", "steps": 3, "strategy": sharded(1)},  # stage 1's 8Ψ + 4Ψ/N row
     # one gradient per bucket and tiny gather buckets: many collectives, ranks owning nothing in some buckets
     {"zoo": "cnn", "optimizer": "adamw", "steps": 3,
      "strategy": sharded(1, fuse_all_reduce_ops=False, sharding_configs={"stage": 1, "segment_broadcast_MB": 0.001})},
@@ -79,7 +80,9 @@ def check_sharding(results, configs: list[dict], world: int) -> None:
         for run in runs:
             assert run["guard_failures"] == [None, None]
             torch.testing.assert_close(run["eval"], run["eager_eval"])
-            assert run["full_state"].keys() == run["state"].keys()
+            assert list(run["full_state"]) == run["model_keys"]  # keyed like model.state_dict()
+            # report() lists sharding as applied, and nothing of it as not applied
+            assert "sharding" in run["applied"] and not any("shard" in name for name in run["skipped"]), run["skipped"]
             assert all(torch.equal(run["full_state"][k], v) for k, v in run["state"].items())
         for run in runs:  # parameter + gradient + optimizer-state bytes of each rank, beside the ZeRO formula
             if config.get("unbalanced"):
