@@ -132,6 +132,24 @@ FOUR_RANK_CONFIGS = {stage: [{"zoo": zoo, "optimizer": optimizer, "steps": 3, "d
 GPT_ADAMW = {"zoo": "gpt", "optimizer": "adamw", "steps": 3, "dropout_off": True}
 
 
+def check_beside_plain_adamw(run: dict, plain: dict) -> None:
+    """gpt × AdamW sharded beside plain data parallel on 4 ranks. Stage 3 regroups the gradient buckets by parameter
+    bucket, so gloo sums 4 ranks' values in another order than plain data parallel's allreduce: every parameter
+    equal at fp32 tolerance, except the attention key's bias, whose gradient is analytically zero (softmax ignores a
+    shift), so AdamW turns the rounding noise into steps of up to lr each (test_gpt_adamw_equals_plain_data_parallel:
+    bit for bit on 2 ranks, where a sum of two does not depend on the order)."""
+    lr = OPTIMIZERS["adamw"]([torch.zeros(1, requires_grad=True)]).defaults["lr"]
+    assert run["state"].keys() == plain["state"].keys()
+    for name, want in plain["state"].items():
+        got = run["state"][name]
+        if name.endswith("attn.qkv.bias"):
+            third = want.numel() // 3
+            assert (got[third:2 * third] - want[third:2 * third]).abs().max() <= 2 * lr * GPT_ADAMW["steps"], name
+            got, want = torch.cat([got[:third], got[2 * third:]]), torch.cat([want[:third], want[2 * third:]])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=FP32_ATOL, msg=lambda m, name=name: f"{name}: {m}")
+    assert any(not torch.equal(run["initial"][k], v) for k, v in run["state"].items())
+
+
 @pytest.mark.skipif(not os.environ.get("FLEETC_FULL"), reason="the zoo × optimizer matrix on 4 ranks: FLEETC_FULL=1")
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_full_matrix_on_four_ranks(tmp_path, stage):
@@ -142,9 +160,8 @@ def test_full_matrix_on_four_ranks(tmp_path, stage):
     check_sharding(results, configs, 4)
     for result in results:
         plain, run = result.result["runs"][len(configs):]
-        assert run["report"]["sharding"]["owned_params"] > 0 and run["state"].keys() == plain["state"].keys()
-        assert all(torch.equal(run["state"][k], v) for k, v in plain["state"].items())
-        assert any(not torch.equal(run["initial"][k], v) for k, v in run["state"].items())
+        assert run["report"]["sharding"]["owned_params"] > 0
+        check_beside_plain_adamw(run, plain)
 
 
 @pytest.mark.skipif(not os.environ.get("FLEETC_FULL"), reason="FLEETC_FULL=1")
@@ -367,19 +384,25 @@ def test_global_norm_clipping_under_stages_2_and_3_equals_data_parallel(tmp_path
         assert any(not torch.allclose(unclipped["state"][k], v) for k, v in plain["state"].items())
 
 
-MESH_CONFIGS = [{"zoo": "mlp", "optimizer": "momentum", "steps": 3,
-                 "strategy": {**sharded(stage), "hybrid_configs": {"dp_degree": 2, "sharding_degree": 2}}}
-                for stage in (1, 2, 3)]
+def mesh_configs(stages: tuple[int, ...]) -> list[dict]:
+    return [{"zoo": "mlp", "optimizer": "momentum", "steps": 3,
+             "strategy": {**sharded(stage), "hybrid_configs": {"dp_degree": 2, "sharding_degree": 2}}}
+            for stage in stages]
 
 
-@pytest.mark.skipif(not os.environ.get("FLEETC_FULL"), reason="4 processes: FLEETC_FULL=1")
-def test_data_parallel_replicas_of_sharding_groups_on_four_ranks(tmp_path):
+# CI: stage 3 (shards reduce-scattered in the sharding group, then summed over the replicas; parameters gathered in
+# the rank's own sharding group), the only default-CI run of dp × sharding on processes; stages 1 and 2: FLEETC_FULL.
+@pytest.mark.slow
+@pytest.mark.parametrize("stages", [pytest.param((3,), id="ci"), pytest.param(
+    (1, 2), id="full", marks=pytest.mark.skipif(not os.environ.get("FLEETC_FULL"), reason="FLEETC_FULL=1"))])
+def test_data_parallel_replicas_of_sharding_groups_on_four_ranks(tmp_path, stages):
     """dp_degree=2 × sharding_degree=2: ranks 0, 1 and ranks 2, 3 are sharding groups, (0, 2) and (1, 3) replicas
     of the same shard. Every stage trains as eager on the whole batch (summed over all 4 ranks' shards)."""
-    results = spawn(4, "train_sharded", {"configs": MESH_CONFIGS}, tmp_path, deadline_s=420,
+    configs = mesh_configs(stages)
+    results = spawn(4, "train_sharded", {"configs": configs}, tmp_path, deadline_s=420,
                     module="fleet.sharding_workers")
     assert_all_ok(results)
-    for i, config in enumerate(MESH_CONFIGS):
+    for i, config in enumerate(configs):
         check_run(results, i, 4, config, per_shard=True, atol=FP32_ATOL)
         runs = [r.result["runs"][i] for r in results]
         owned = [run["report"]["sharding"]["owned_params"] for run in runs]
@@ -392,3 +415,6 @@ def test_data_parallel_replicas_of_sharding_groups_on_four_ranks(tmp_path):
             assert held[0] == held[2] and held[1] == held[3] and held[0] + held[1] == whole, held
         for run in runs:
             torch.testing.assert_close(run["eval"], run["eager_eval"])
+            memory = run["memory"]  # the formula over the sharding group (N = 2), not the world
+            assert memory["degree"] == 2, memory
+            assert abs(memory["total_bytes"] - memory["formula_bytes"]) <= 0.1 * memory["formula_bytes"], memory
