@@ -195,6 +195,25 @@ def failed_shard_write(rank: int, args: dict, out_dir: str) -> None:
     fleet.stop_worker()
 
 
+def plan_mismatch(rank: int, args: dict, out_dir: str) -> None:
+    """The ranks shard with different settings (`args["configs"][rank]`): each must refuse before the first
+    collective of the step (the cross-rank plan check), and its parameters must be as they were."""
+    fleet.init(is_collective=True)
+    model = ZOO["mlp"].make_model()
+    opt = fleet.distributed_optimizer(OPTIMIZERS["adam"](model.parameters()),
+                                      make_strategy(args["configs"][rank]))
+    trainer = fleetc.compile(model, optimizer=opt, loss_fn=ZOO["mlp"].loss_fn)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        trainer.step(*shard(global_batches("mlp", 1)[0], rank, fleet.worker_num()))
+        outcome = {"error": None}
+    except CollectiveError as exc:
+        outcome = {"error": str(exc)}
+    outcome["unchanged"] = all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    torch.save(outcome, os.path.join(out_dir, f"rank{rank}.pt"))
+    os._exit(0)  # the ranks disagree; skip the group's teardown
+
+
 def dead_rank_in_reduce_scatter(rank: int, args: dict, out_dir: str) -> None:
     """Stage 2 on mlp; rank 1 dies where it would issue its first gradient reduce-scatter."""
     fleet.init(is_collective=True)

@@ -349,6 +349,19 @@ def test_a_shard_that_fails_to_write_aborts_the_checkpoint_on_every_rank(tmp_pat
             assert torch.equal(out["loaded"][name], value), name
 
 
+@pytest.mark.skipif(not os.environ.get("FLEETC_FULL"), reason="FLEETC_FULL=1 (the plan check itself: test_faults.py)")
+@pytest.mark.parametrize("configs", [
+    [sharded(3), sharded(3, sharding_configs={"stage": 3, "segment_broadcast_MB": 0.0001})],
+    [sharded(2), sharded(1)]], ids=["segment_size", "stage"])
+def test_ranks_that_shard_differently_refuse_before_the_first_collective(tmp_path, configs):
+    results = spawn(2, "plan_mismatch", {"configs": configs}, tmp_path, deadline_s=120, collective_timeout_s=10.0,
+                    module="fleet.sharding_workers")
+    assert_all_ok(results)
+    for result in results:
+        assert "different collectives" in result.result["error"], result.result["error"]
+        assert result.result["unchanged"]
+
+
 # Global-norm clipping where each rank keeps only its gradient shards: the squared norm of the kept gradients is
 # summed over the sharding group, so every rank clips by the norm of all of them, as unsharded data parallel does
 # (itself checked against eager in test_data_parallel.py); under AMP each rank clips the shards it unscaled. Stages 2
