@@ -1,4 +1,4 @@
-"""Stage 2: no full-size gradient outlives its bucket. The zoo GPT through the passes as each rank of 2.
+"""Stage 2: no full-size gradient outlives its bucket. The zoo mlp through the passes as each rank of 2.
 
 A bucket's local gradients are read by nothing after the reduce-scatter that packs them (so the runtime frees them
 there), the padded buffer lives only between that start and its wait, and what the update reads are views of the
@@ -18,7 +18,7 @@ from fleetc.passes.sharding.optimizer_sharding import RS_START, RS_WAIT
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_local_gradients_die_at_their_reduce_scatter(rank):
-    program = captured_program("gpt").clone()
+    program = captured_program("mlp").clone()
     program.metadata["sharding"] = sharding_metadata(ProcessMesh(sharding=2), rank)
     final, _ = run_data_parallel_passes(program, 2, sharding=True, sharding_configs={"stage": 2, "sharding_degree": 2},
                                         fuse_all_reduce_ops=False)  # a bucket per gradient
