@@ -67,6 +67,7 @@ from fleetc.passes.sharding.param_sharding import (
     whole_parameter_plan,
 )
 from fleetc.passes.sharding.plan import FlatBucket, ShardedBucket, assign_owners
+from fleetc.strategy.distributed import DISTRIBUTED_SCHEMA
 
 GATHER = "fleetc.c_sharding_allgather"
 RS_START = "fleetc.c_sharding_reduce_scatter_start"
@@ -173,6 +174,12 @@ class Sharding:
             report.notes.append(f"stage 2, {degree} ranks, flat buckets split evenly: this rank (index {rank} in its "
                                 f"sharding group) updates {owned} of {sum(sizes.values())} elements, pieces of "
                                 f"{len(pieces)} of {len(params)} parameters")
+            segment_mb = config.sharding_configs.segment_broadcast_MB
+            if segment_mb != DISTRIBUTED_SCHEMA.defaults["sharding_configs.segment_broadcast_MB"]:
+                report.notes.append(f"sharding_configs.segment_broadcast_MB={segment_mb} not applied: stage 2 on flat "
+                                    "buckets gathers each gradient bucket through its reduce-scatter's layout (the "
+                                    "pieces it updated), so the gradient buckets (fuse_grad_size_in_MB) size the "
+                                    "gathers")
         else:
             if stage == 2:
                 report.notes.append(f"stage 2 owns whole parameters here, not even flat-bucket pieces: {refusal}")
