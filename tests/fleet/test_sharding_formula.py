@@ -39,8 +39,6 @@ def test_the_formula_is_the_table(setting, kind, low, degree):
         assert formula_bytes(optimizer(kind), PSI, 1 if stage == 0 else degree, stage, low) == want, (stage, want)
 
 
-def test_plain_sgd_keeps_no_state_and_the_kept_gradient_size_replaces_the_rows():
+def test_plain_sgd_keeps_no_state():
     sgd = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
     assert formula_bytes(sgd, PSI, 2, 1, False) == 4 * PSI + 4 * PSI
-    # use_pure_fp16 as fleetc keeps it (float32 gradients): stage 3 is 18Ψ/N, not the row's 16Ψ/N
-    assert formula_bytes(optimizer("adam"), PSI, 4, 3, True, gradient_element_bytes=4) == 18 * PSI / 4
