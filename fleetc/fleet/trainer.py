@@ -16,7 +16,7 @@ from fleetc.comm.plan import check_plans_agree, check_ranks_agree
 from fleetc.compiler import CompiledStep, CompiledTrainer
 from fleetc.errors import CheckpointError, StrategyError
 from fleetc.fleet.merge_state import averaged_accumulators
-from fleetc.fleet.pipeline_state import gather_stage_state, save_pipeline_checkpoint
+from fleetc.fleet.pipeline_state import chunk_state_pieces, gather_stage_state, save_pipeline_checkpoint
 from fleetc.fleet.sharded_params import (
     HeldParameters,
     WholeDuringRun,
@@ -270,9 +270,8 @@ class DataParallelTrainer(CompiledTrainer):
         replicas = [r for r in range(self.world_size) if self.mesh.coordinates(r)["pp"] == at["pp"]]
         shard = None
         if self._owned is not None and self.optimizer is not None:
-            stage_program = pipeline.plan.stages[pipeline.ranks_here[0]].phases["optimizer"]
             shard = (SHARD_FILE.format(at["pp"] * self.mesh.sharding + at["sharding"]),
-                     state_pieces(stage_program.metadata, self.optimizer, self.model))
+                     chunk_state_pieces(pipeline, self.optimizer, self.model))  # VPP: every chunk's
         return save_pipeline_checkpoint(dirname, self._live_state(), self.config, rng, pipeline,
                                         at["dp"] == 0 and at["sharding"] == 0, replicas, shard, at["dp"] == 0)
 
