@@ -16,7 +16,12 @@ from fleetc.comm.plan import check_plans_agree, check_ranks_agree
 from fleetc.compiler import CompiledStep, CompiledTrainer
 from fleetc.errors import CheckpointError, StrategyError
 from fleetc.fleet.merge_state import averaged_accumulators
-from fleetc.fleet.pipeline_state import chunk_state_pieces, gather_stage_state, save_pipeline_checkpoint
+from fleetc.fleet.pipeline_state import (
+    chunk_state_pieces,
+    gather_stage_state,
+    pipeline_layout,
+    save_pipeline_checkpoint,
+)
 from fleetc.fleet.sharded_params import (
     HeldParameters,
     WholeDuringRun,
@@ -41,6 +46,7 @@ from fleetc.passes.sharding.optimizer_sharding import RS_WAIT
 from fleetc.passes.sharding.param_sharding import GATHER_WAIT
 from fleetc.report import CompileReport
 from fleetc.runtime.checkpoint import TrainerState, load_checkpoint, rng_state, save_checkpoint
+from fleetc.runtime.pipeline_checkpoint import check_carried
 from fleetc.runtime.pipeline_forward import ForwardPipeline, forward_pipeline
 from fleetc.runtime.pipeline_local import DistributedPipeline, PipelineExecutor, make_pipeline
 from fleetc.runtime.guards import GuardCheck, observe_guards
@@ -167,6 +173,7 @@ class DataParallelTrainer(CompiledTrainer):
     def _resume_pipeline(self, pipeline: PipelineExecutor) -> None:
         """Hand a loaded checkpoint's carried gradient-merge state for this rank to its pipeline executor."""
         try:
+            check_carried(self._resumed_merges, pipeline_layout(pipeline), "the loaded checkpoint")
             pipeline.load_state(self._resumed_merges.get(pipeline.ranks_here[0]))
         except StrategyError as exc:
             raise CheckpointError(f"the loaded checkpoint does not fit this pipeline: {exc}") from exc
@@ -286,6 +293,7 @@ class DataParallelTrainer(CompiledTrainer):
         live = self._live_state()
         if self.config.pipeline and self.world_size > 1:  # a pipeline rank takes its carried gradient-merge sums
             live.pipeline_merges = {}
+            live.pipeline_layout = pipeline_layout(self._distributed_pipeline())  # None: checked once built
         with whole(self._sharded_params):  # stage 3: the checkpoint's whole parameters, then this rank's again
             loaded = load_checkpoint(dirname, live, self.config, agree,
                                      owned_indices(self.optimizer, self.model, self._owned))
