@@ -91,8 +91,8 @@ def _check_carried_sums_need_the_same_pipeline(mid: str, trainer) -> None:
     would load it: its carried sums are per chunk of the writer's cut, so 4 pipeline ranks (another depth) and 2
     ranks of 2 chunks (VPP) are refused by name, before anything is restored; the writer's layout takes them."""
     for layout, message in (((4, 1, 2), r"by a pipeline of 2 rank\(s\) \(parts \[0, 1\]\).*this pipeline has 4"),
-                            ((2, 2, 2), r"pipeline\.pp00000\.pt: carries the gradient sums of chunks \[0\] after 1 "
-                                        r"merged step\(s\), but this pipeline's rank 0 runs chunks \[0, 2\]"),
+                            ((2, 2, 2), (r"pipeline\.pp00000\.pt: carries the gradient sums of chunks \[0\] after 1 "
+                                         r"merged step\(s\), but this pipeline's rank 0 runs chunks \[0, 2\]")),
                             ((2, 1, 1), r"pipeline\.pp00000\.pt: .* runs chunks \[0\] with k_steps=1")):
         state = dataclasses.replace(trainer._live_state(), pipeline_merges={}, pipeline_layout=layout)
         before = {name: value.clone() for name, value in trainer.model.state_dict().items()}
