@@ -96,8 +96,8 @@ def test_stage_3_of_a_pipeline_holds_pieces_and_matches_eager(vpp, tmp_path):
     makes them whole once per step, the optimizer Program reduce-scatters and updates the pieces. Every rank
     matches eager PyTorch (losses, every parameter), full_state_dict is whole on every rank, evaluation and the
     checkpoint (saved whole, resumed on the same mesh, in one process, as pp=2 alone and as flat stage 3 alone, on
-    2 processes each) work. vpp=2 (FLEETC_FULL=1): the interleaved schedule, two chunks of the GPT per pipeline
-    rank, each chunk's parameters in pieces over the sharding group."""
+    2 processes each; with FLEETC_FULL=1 also as pp=4 on 4) work. vpp=2 (FLEETC_FULL=1): the interleaved schedule,
+    two chunks of the GPT per pipeline rank, each chunk's parameters in pieces over the sharding group."""
     args = {"model": "gpt", "mode": "VPP" if vpp > 1 else "1F1B", "microbatches": MICROBATCHES, "steps": STEPS,
             "stages": STAGES, "vpp": vpp, "batch": 4, "sharding_stage": 3, "evaluate": True, "checkpoint": True}
     results = spawn(STAGES * SHARDS, "fleet_train", args, tmp_path, deadline_s=300, module="fleet.pipeline_workers")
@@ -134,6 +134,8 @@ def test_stage_3_of_a_pipeline_holds_pieces_and_matches_eager(vpp, tmp_path):
     jobs = {name: _resume(name, tmp_path / "checkpoint", STEPS, tmp_path) for name in ("pp2", "stage3")}
     for name, job in jobs.items():
         _check_resumed(name, job.collect(), STEPS, tmp_path)
+    if os.environ.get("FLEETC_FULL"):  # another pipeline depth: pp=4 on 4 processes
+        _check_resumed("pp4", _resume("pp4", tmp_path / "checkpoint", STEPS, tmp_path).collect(), STEPS, tmp_path)
 
 
 def _check_evaluation(results: list, zoo_name: str, params: dict, steps: int) -> None:
