@@ -35,7 +35,7 @@ RESUMED = 2  # steps the other meshes take after loading the checkpoint
 # per replica), each taking the global batch as the writer did
 RESHARDED = {"pp2": (2, 2, None, SHARDS * MICROBATCHES), "sharding2": (2, 1, 2, 1),
              "pp2_sharding2": (STAGES * SHARDS, STAGES, 2, MICROBATCHES), "pp4": (4, 4, None, 4),
-             "sharding4": (4, 1, 2, 1), "stage3": (2, 1, 3, 1)}
+             "sharding4": (4, 1, 2, 1), "stage3": (2, 1, 3, 1), "pp2_stage3": (STAGES * SHARDS, STAGES, 3, MICROBATCHES)}
 # (zoo model, sharding stage, global-norm clip, gradient merge k_steps): ClipGradByGlobalNorm's norm sums over the
 # sharding group (stage 2 keeps only owned gradients) and over the stages; gradient merge runs the sharded update
 # every k_steps steps
@@ -96,7 +96,8 @@ def test_stage_3_of_a_pipeline_holds_pieces_and_matches_eager(vpp, tmp_path):
     makes them whole once per step, the optimizer Program reduce-scatters and updates the pieces. Every rank
     matches eager PyTorch (losses, every parameter), full_state_dict is whole on every rank, evaluation and the
     checkpoint (saved whole, resumed on the same mesh, in one process, as pp=2 alone and as flat stage 3 alone, on
-    2 processes each; with FLEETC_FULL=1 also as pp=4 on 4) work. vpp=2 (FLEETC_FULL=1): the interleaved schedule,
+    2 processes each; with FLEETC_FULL=1 also as pp=4 on 4, and pp=2's checkpoint then as pp=2 × sharding=2 stage
+    3) work. vpp=2 (FLEETC_FULL=1): the interleaved schedule,
     two chunks of the GPT per pipeline rank, each chunk's parameters in pieces over the sharding group."""
     args = {"model": "gpt", "mode": "VPP" if vpp > 1 else "1F1B", "microbatches": MICROBATCHES, "steps": STEPS,
             "stages": STAGES, "vpp": vpp, "batch": 4, "sharding_stage": 3, "evaluate": True, "checkpoint": True}
@@ -134,8 +135,11 @@ def test_stage_3_of_a_pipeline_holds_pieces_and_matches_eager(vpp, tmp_path):
     jobs = {name: _resume(name, tmp_path / "checkpoint", STEPS, tmp_path) for name in ("pp2", "stage3")}
     for name, job in jobs.items():
         _check_resumed(name, job.collect(), STEPS, tmp_path)
-    if os.environ.get("FLEETC_FULL"):  # another pipeline depth: pp=4 on 4 processes
+    if os.environ.get("FLEETC_FULL"):  # another pipeline depth: pp=4; and pp=2's checkpoint back into stage 3 × pp
         _check_resumed("pp4", _resume("pp4", tmp_path / "checkpoint", STEPS, tmp_path).collect(), STEPS, tmp_path)
+        skip = STEPS + RESUMED
+        _check_resumed("pp2_stage3", _resume("pp2_stage3", tmp_path / "pp2" / "checkpoint", skip, tmp_path).collect(),
+                       skip, tmp_path)
 
 
 def _check_evaluation(results: list, zoo_name: str, params: dict, steps: int) -> None:
