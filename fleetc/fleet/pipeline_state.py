@@ -26,6 +26,7 @@ from torch import nn
 
 from fleetc.comm import host
 from fleetc.fleet.checkpoint_parts import save_with_parts
+from fleetc.fleet.sharded_state import state_pieces
 from fleetc.runtime.checkpoint import TrainerState, write_checkpoint
 from fleetc.runtime.pipeline_checkpoint import PART_FILE
 from fleetc.runtime.pipeline_local import PipelineExecutor
@@ -60,6 +61,20 @@ def stored_by(pipe: PipelineExecutor) -> dict[str, int]:
             for var in phase.persistables():
                 lowest.setdefault(var.name, s)
     return {name: pipe.schedule.rank_of(s) for name, s in lowest.items()}
+
+
+def pipeline_layout(pipe: PipelineExecutor | None) -> tuple[int, int, int] | None:
+    """(pipeline ranks, chunks per rank, k_steps) of a pipeline (None: none), which a checkpoint's carried
+    gradient-merge sums must fit (runtime/pipeline_checkpoint.py's `check_carried`)."""
+    return None if pipe is None else (pipe.schedule.ranks, pipe.schedule.vpp, pipe.k_steps)
+
+
+def chunk_state_pieces(pipe: PipelineExecutor, optimizer: torch.optim.Optimizer, model: nn.Module
+                       ) -> list[list[int]]:
+    """`state_pieces` of every chunk this rank runs (VPP: several, each holding pieces of its own parameters): the
+    pieces its optimizer shard file holds."""
+    return sorted(piece for s in pipe.chunks
+                  for piece in state_pieces(pipe.plan.stages[s].phases["optimizer"].metadata, optimizer, model))
 
 
 def tied_keys(model: nn.Module) -> dict[str, str]:

@@ -16,7 +16,12 @@ from fleetc.comm.plan import check_plans_agree, check_ranks_agree
 from fleetc.compiler import CompiledStep, CompiledTrainer
 from fleetc.errors import CheckpointError, StrategyError
 from fleetc.fleet.merge_state import averaged_accumulators
-from fleetc.fleet.pipeline_state import gather_stage_state, save_pipeline_checkpoint
+from fleetc.fleet.pipeline_state import (
+    chunk_state_pieces,
+    gather_stage_state,
+    pipeline_layout,
+    save_pipeline_checkpoint,
+)
 from fleetc.fleet.sharded_params import (
     HeldParameters,
     WholeDuringRun,
@@ -47,6 +52,7 @@ from fleetc.runtime.checkpoint import (
     save_checkpoint,
 )
 from fleetc.runtime.guards import GuardCheck, observe_guards
+from fleetc.runtime.pipeline_checkpoint import check_carried
 from fleetc.runtime.pipeline_forward import ForwardPipeline, forward_pipeline
 from fleetc.runtime.pipeline_local import (
     DistributedPipeline,
@@ -176,6 +182,7 @@ class DataParallelTrainer(CompiledTrainer):
     def _resume_pipeline(self, pipeline: PipelineExecutor) -> None:
         """Hand a loaded checkpoint's carried gradient-merge state for this rank to its pipeline executor."""
         try:
+            check_carried(self._resumed_merges, pipeline_layout(pipeline), "the loaded checkpoint")
             pipeline.load_state(self._resumed_merges.get(pipeline.ranks_here[0]))
         except StrategyError as exc:
             raise CheckpointError(f"the loaded checkpoint does not fit this pipeline: {exc}") from exc
@@ -297,9 +304,8 @@ class DataParallelTrainer(CompiledTrainer):
         replicas = [r for r in range(self.world_size) if self.mesh.coordinates(r)["pp"] == at["pp"]]
         shard = None
         if self._owned is not None and self.optimizer is not None:
-            stage_program = pipeline.plan.stages[pipeline.ranks_here[0]].phases["optimizer"]
             shard = (SHARD_FILE.format(at["pp"] * self.mesh.sharding + at["sharding"]),
-                     state_pieces(stage_program.metadata, self.optimizer, self.model))
+                     chunk_state_pieces(pipeline, self.optimizer, self.model))  # VPP: every chunk's
         return save_pipeline_checkpoint(dirname, self._live_state(), self.config, rng, pipeline,
                                         at["dp"] == 0 and at["sharding"] == 0, replicas, shard, at["dp"] == 0)
 
@@ -314,6 +320,7 @@ class DataParallelTrainer(CompiledTrainer):
         live = self._live_state()
         if self.config.pipeline and self.world_size > 1:  # a pipeline rank takes its carried gradient-merge sums
             live.pipeline_merges = {}
+            live.pipeline_layout = pipeline_layout(self._distributed_pipeline())  # None: checked once built
         with whole(self._sharded_params):  # stage 3: the checkpoint's whole parameters, then this rank's again
             loaded = load_checkpoint(dirname, live, self.config, agree,
                                      owned_indices(self.optimizer, self.model, self._owned))

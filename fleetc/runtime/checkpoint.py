@@ -187,6 +187,9 @@ class TrainerState:
     owned: dict[str, torch.Tensor]
     rank: int = 0
     pipeline_merges: dict[int, dict] | None = None  # a pipeline rank's trainer: receives the carried merge state
+    # a pipeline rank's trainer whose pipeline exists: (pipeline ranks, chunks per rank, k_steps), which the carried
+    # merge state must fit
+    pipeline_layout: tuple[int, int, int] | None = None
 
     def snapshot(self) -> tuple[dict, dict | None, dict[str, torch.Tensor], dict[str, Any]]:
         """Copies of everything a restore may change: model, optimizer, owned state, RNG."""
@@ -339,8 +342,8 @@ def load_checkpoint(root: str, state: TrainerState, config: Any,
     between checking and restoring: data parallel makes every rank agree there, so all restore or none does.
     `wanted`: the optimizer's parameter indices whose state this loader keeps (a sharding rank's own); optimizer
     shard files the manifest lists with none of them are not read (None: every file is). A pipeline checkpoint's
-    carried gradient-merge state goes to `state.pipeline_merges` (refused when the trainer cannot take it, i.e. when
-    that is None)."""
+    carried gradient-merge state goes to `state.pipeline_merges` (refused when the trainer cannot take it: when that
+    is None, or when it was carried by another pipeline layout than `state.pipeline_layout`)."""
     checked, problem = None, None
     try:
         version, model_state, optimizer_state, owned_state, merges, files = _read(root, state.model,
@@ -353,6 +356,8 @@ def load_checkpoint(root: str, state: TrainerState, config: Any,
             raise CheckpointError(f"{version.path}: saved between gradient-merge updates by a pipeline, whose "
                                   "stages carry gradient sums; it resumes only on a pipeline with one stage per "
                                   "process (save at an update boundary to load it elsewhere)")
+        if state.pipeline_layout is not None:
+            pipeline_checkpoint.check_carried(merges, state.pipeline_layout, version.path)
         checked = (model_state, optimizer_state if state.optimizer is not None else None, owned_state)
     except CheckpointError as exc:
         problem = exc

@@ -77,3 +77,28 @@ def merge_parts(version: Any, model_state: dict, optimizer_state: dict, owned_en
 def mid_period(merges: Mapping[int, Mapping]) -> bool:
     """Whether a pipeline rank saved between gradient-merge updates (it carries gradient sums)."""
     return any(m["steps_merged"] > 0 for m in merges.values())
+
+
+def check_carried(merges: Mapping[int, Mapping], layout: tuple[int, int, int], where: str) -> None:
+    """CheckpointError unless a pipeline of `layout` = (pipeline ranks, chunks per rank, k_steps), rank r running
+    chunks r, r + ranks, ..., can take the carried gradient-merge sums `merges` (by pipeline rank) of the checkpoint
+    at `where`: saved at an update boundary, or mid-period by a pipeline of that very layout. The sums are per chunk
+    of the writer's cut: on another depth or chunking they would be added to other gradients, or lost. Every rank
+    holds every part's merge state, so all ranks decide alike."""
+    if not mid_period(merges):
+        return
+    ranks, vpp, k_steps = layout
+    steps = {index: merge["steps_merged"] for index, merge in merges.items()}
+    chunks_of = {r: [r + ranks * v for v in range(vpp)] for r in range(ranks)}
+    if sorted(merges) != sorted(chunks_of):
+        raise CheckpointError(f"{where}: saved between gradient-merge updates by a pipeline of {len(merges)} "
+                              f"rank(s) (parts {sorted(merges)}), which carry gradient sums of their own chunks; "
+                              f"this pipeline has {ranks}: resume mid-period on the same pipeline depth, or save "
+                              "at an update boundary to reshard")
+    for r, chunks in chunks_of.items():
+        carried = sorted(merges[r]["carried"])
+        if carried != chunks or steps[r] != max(steps.values()) or steps[r] >= k_steps:
+            raise CheckpointError(f"{where}/{PART_FILE.format(r)}: carries the gradient sums of chunks {carried} "
+                                  f"after {steps[r]} merged step(s), but this pipeline's rank {r} runs chunks "
+                                  f"{chunks} with k_steps={k_steps}: resume mid-period on the same pipeline, or "
+                                  "save at an update boundary to reshard")

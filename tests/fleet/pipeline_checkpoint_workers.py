@@ -74,5 +74,20 @@ def resumed(rank: int, args: dict, out_dir: str) -> None:
     _finish(rank, model, trainer, losses, out_dir)
 
 
+def refused(rank: int, args: dict, out_dir: str) -> None:
+    """Load the checkpoint saved after `resume_after` steps and try the next step: saves the CheckpointError each
+    rank gets (None: it trained)."""
+    _, trainer = _trainer(args, seed=100 + rank)
+    fleet.load_persistables(args["saves"][str(args["resume_after"])], trainer)
+    try:
+        trainer.step(*_batches(args, rank)[args["resume_after"]])
+        error = None
+    except fleetc.CheckpointError as exc:
+        error = str(exc)
+    torch.save({"error": error}, os.path.join(out_dir, f"rank{rank}.pt"))
+    fleet.barrier_worker()
+    fleet.stop_worker()
+
+
 if __name__ == "__main__":
     run_worker(globals())

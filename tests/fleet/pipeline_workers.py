@@ -138,7 +138,7 @@ def fleet_resume(rank: int, args: dict, out_dir: str) -> None:
     replicas = dist.get_world_size() // stages
     make, optimizer_name = STAGED[args["model"]]
     torch.manual_seed(100 + rank)  # not the checkpoint's weights: the load must bring them
-    model = make(stages)
+    model = make(stages * args.get("vpp", 1))
     strategy, replica = _strategy(rank, args, stages, replicas)
     opt = fleet.distributed_optimizer(OPTIMIZERS[optimizer_name](model.parameters()), strategy)
     trainer = fleetc.compile(model, optimizer=opt, loss_fn=ZOO[args["model"]].loss_fn)
@@ -148,7 +148,7 @@ def fleet_resume(rank: int, args: dict, out_dir: str) -> None:
     losses = [float(trainer.step(*(a.chunk(replicas)[replica] for a in batch))) for batch in batches]
     pipe = trainer._last_train.pipeline
     held = {n for s in pipe.chunks for n in pipe.plan.stages[s].params} if pipe is not None else None
-    params = {n: p.detach().clone() for n, p in model.named_parameters() if held is None or n in held}
+    params = {n: p for n, p in _current(trainer, model).items() if held is None or n in held}
     fleet.save_persistables(args["save"], trainer)
     torch.save({"losses": losses, "mesh": str(trainer.mesh), "params": params},
                os.path.join(out_dir, f"rank{rank}.pt"))
@@ -190,7 +190,7 @@ def _resume(rank: int, args: dict, strategy, dirname: str, g: torch.Generator, r
     replica's share of the batch: this rank's stage parameters after it."""
     make, optimizer_name = STAGED[args["model"]]
     torch.manual_seed(100 + rank)
-    model = make(args["stages"])
+    model = make(args["stages"] * args.get("vpp", 1))
     opt = fleet.distributed_optimizer(OPTIMIZERS[optimizer_name](model.parameters()), strategy)
     trainer = fleetc.compile(model, optimizer=opt, loss_fn=ZOO[args["model"]].loss_fn)
     fleet.load_persistables(dirname, trainer)
@@ -199,7 +199,7 @@ def _resume(rank: int, args: dict, strategy, dirname: str, g: torch.Generator, r
     trainer.step(*(a.chunk(replicas)[replica] for a in batch))
     pipe = trainer._last_train.pipeline
     named = _current(trainer, model)
-    return {n: named[n] for n in pipe.plan.stages[pipe.ranks_here[0]].params}
+    return {n: named[n] for s in pipe.chunks for n in pipe.plan.stages[s].params}
 
 
 def _current(trainer, model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -3,6 +3,7 @@ each stage writes its own part into one commit, the job resumes from them bit fo
 the tied embedding is stored once, and the checkpoint loads into a single process."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -13,6 +14,7 @@ from zoo import OPTIMIZERS, ZOO
 import fleetc
 from fleet.spawn import spawn
 from fleetc.runtime import checkpoint_commit
+from fleetc.runtime.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.slow  # CI still runs them
 
@@ -77,10 +79,30 @@ def test_stages_write_their_parts_and_the_job_resumes_from_them(tmp_path):
     model, trainer = _single_process_trainer(strategy)
     with pytest.raises(fleetc.CheckpointError, match="between gradient-merge updates"):
         trainer.load_checkpoint(mid)
+    _check_carried_sums_need_the_same_pipeline(mid, trainer)
     trainer.load_checkpoint(boundary)
     for name, p in model.named_parameters():
         assert torch.equal(p, trained[name]), name
         assert torch.equal(trainer.optimizer.state[p]["exp_avg"], exp_avg[name]), name
+
+
+def _check_carried_sums_need_the_same_pipeline(mid: str, trainer) -> None:
+    """The mid-period checkpoint of 2 pipeline ranks, one chunk each, as a pipeline rank's trainer of another layout
+    would load it: its carried sums are per chunk of the writer's cut, so 4 pipeline ranks (another depth) and 2
+    ranks of 2 chunks (VPP) are refused by name, before anything is restored; the writer's layout takes them."""
+    for layout, message in (((4, 1, 2), r"by a pipeline of 2 rank\(s\) \(parts \[0, 1\]\).*this pipeline has 4"),
+                            ((2, 2, 2), (r"pipeline\.pp00000\.pt: carries the gradient sums of chunks \[0\] after 1 "
+                                         r"merged step\(s\), but this pipeline's rank 0 runs chunks \[0, 2\]")),
+                            ((2, 1, 1), r"pipeline\.pp00000\.pt: .* runs chunks \[0\] with k_steps=1")):
+        state = dataclasses.replace(trainer._live_state(), pipeline_merges={}, pipeline_layout=layout)
+        before = {name: value.clone() for name, value in trainer.model.state_dict().items()}
+        with pytest.raises(fleetc.CheckpointError, match=message):
+            load_checkpoint(mid, state, trainer.config)
+        assert state.pipeline_merges == {}
+        assert all(torch.equal(value, before[name]) for name, value in trainer.model.state_dict().items())
+    state = dataclasses.replace(trainer._live_state(), pipeline_merges={}, pipeline_layout=(2, 1, 2))
+    load_checkpoint(mid, state, trainer.config)
+    assert sorted(state.pipeline_merges) == [0, 1] and state.pipeline_merges[1]["steps_merged"] == 1
 
 
 def test_amp_loss_scaling_state_round_trips_through_the_stage_parts(tmp_path):
@@ -120,7 +142,8 @@ def test_amp_loss_scaling_state_round_trips_through_the_stage_parts(tmp_path):
 def test_pp_times_dp_resumes_mid_period_from_the_replicas_average(tmp_path):
     """pp=2 × dp=2, saved mid gradient-merge period: only dp-rank 0 of each stage writes, its part holding the
     replicas' average carried sums; new processes resume and match the uninterrupted run (fp32 tolerance: the
-    average is taken before, not after, the last step's sums are added)."""
+    average is taken before, not after, the last step's sums are added). pp=4 on the same 4 processes (another
+    depth: the sums are per chunk of the writer's cut) refuses it on every rank, by name, at its first step."""
     args = {**ARGS, "saves": {"3": str(tmp_path / "mid")}, "resume_after": 3}
     straight = spawn(4, "uninterrupted", args, tmp_path / "straight", deadline_s=300,
                      module="fleet.pipeline_checkpoint_workers")
@@ -134,3 +157,9 @@ def test_pp_times_dp_resumes_mid_period_from_the_replicas_average(tmp_path):
         for name, value in after.result["params"].items():
             torch.testing.assert_close(value, before.result["params"][name],
                                        msg=lambda m, name=name, rank=after.rank: f"rank {rank} {name}: {m}")
+    deeper = spawn(4, "refused", {**args, "stages": 4, "microbatches": 4}, tmp_path / "deeper", deadline_s=300,
+                   module="fleet.pipeline_checkpoint_workers")
+    for r in deeper:
+        assert r.returncode == 0, r.output[-3000:]
+        assert "saved between gradient-merge updates by a pipeline of 2 rank(s)" in r.result["error"]
+        assert "this pipeline has 4" in r.result["error"], r.result["error"]

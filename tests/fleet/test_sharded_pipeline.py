@@ -43,7 +43,8 @@ RESUMED = 2  # steps the other meshes take after loading the checkpoint
 # the meshes that resume a checkpoint another mesh wrote: (processes, pipeline stages, sharding stage, micro-batches
 # per replica), each taking the global batch as the writer did
 RESHARDED = {"pp2": (2, 2, None, SHARDS * MICROBATCHES), "sharding2": (2, 1, 2, 1),
-             "pp2_sharding2": (STAGES * SHARDS, STAGES, 2, MICROBATCHES)}
+             "pp2_sharding2": (STAGES * SHARDS, STAGES, 2, MICROBATCHES), "pp4": (4, 4, None, 4),
+             "sharding4": (4, 1, 2, 1), "stage3": (2, 1, 3, 1), "pp2_stage3": (STAGES * SHARDS, STAGES, 3, MICROBATCHES)}
 # (zoo model, sharding stage, global-norm clip, gradient merge k_steps): ClipGradByGlobalNorm's norm sums over the
 # sharding group (stage 2 keeps only owned gradients) and over the stages; gradient merge runs the sharded update
 # every k_steps steps
@@ -99,19 +100,23 @@ def test_sharded_stages_of_a_pipeline_match_eager(zoo_name, stage, clip_norm, k_
         _check_misfits(tmp_path / "checkpoint")
 
 
-@pytest.mark.parametrize("clip_norm, k_steps", [(None, 1), (0.05, 2)])
-def test_stage_3_of_a_pipeline_holds_pieces_and_matches_eager(clip_norm, k_steps, tmp_path):
+@pytest.mark.parametrize("vpp, clip_norm, k_steps", [(1, None, 1), (1, 0.05, 2)]
+                         + ([(2, None, 1)] if os.environ.get("FLEETC_FULL") else []))
+def test_stage_3_of_a_pipeline_holds_pieces_and_matches_eager(vpp, clip_norm, k_steps, tmp_path):
     """Stage 3: each rank holds a flat piece of its stage's parameters between steps; the stage's gather Program
     makes them whole once per step, the optimizer Program reduce-scatters and updates the pieces. Every rank
     matches eager PyTorch (losses, every parameter), full_state_dict is whole on every rank, evaluation and the
-    checkpoint (saved whole, resumed on the same mesh and in one process) work. Composed, in one run: global-norm
-    clipping (the norm's squares summed over the stage's sharding group, then over the stages) and gradient merge
-    (the optimizer Program, so its reduce-scatter, runs once per k_steps steps), against eager PyTorch clipping the
-    global norm of the gradients averaged over k_steps steps."""
+    checkpoint (saved whole, resumed on the same mesh, in one process, as pp=2 alone and as flat stage 3 alone, on
+    2 processes each; with FLEETC_FULL=1 also as pp=4 on 4, and pp=2's checkpoint then as pp=2 × sharding=2 stage
+    3) work. vpp=2 (FLEETC_FULL=1): the interleaved schedule, two chunks of the GPT per pipeline rank, each chunk's
+    parameters in pieces over the sharding group. Composed, in one run: global-norm clipping (the norm's squares
+    summed over the stage's sharding group, then over the stages) and gradient merge (the optimizer Program, so its
+    reduce-scatter, runs once per k_steps steps), against eager PyTorch clipping the global norm of the gradients
+    averaged over k_steps steps."""
     steps = STEPS * k_steps
-    args = {"model": "gpt", "mode": "1F1B", "microbatches": MICROBATCHES, "steps": steps, "stages": STAGES,
-            "batch": 4, "sharding_stage": 3, "evaluate": True, "checkpoint": k_steps == 1, "clip_norm": clip_norm,
-            "k_steps": k_steps}
+    args = {"model": "gpt", "mode": "VPP" if vpp > 1 else "1F1B", "microbatches": MICROBATCHES, "steps": steps,
+            "stages": STAGES, "vpp": vpp, "batch": 4, "sharding_stage": 3, "evaluate": True,
+            "checkpoint": k_steps == 1, "clip_norm": clip_norm, "k_steps": k_steps}
     results = spawn(STAGES * SHARDS, "fleet_train", args, tmp_path, deadline_s=300, module="fleet.pipeline_workers")
     for r in results:
         assert r.returncode == 0, r.output[-3000:]
@@ -148,6 +153,15 @@ def test_stage_3_of_a_pipeline_holds_pieces_and_matches_eager(clip_norm, k_steps
         assert order == [SHARED_SUM, SQUARED_NORM, NORM_SUM, SHARED_SUM, GLOBAL_CLIP], order
     if args["checkpoint"]:
         _check_checkpoint(results, tmp_path / "checkpoint")
+        # another mesh: pp=2 without sharding, and flat stage 3 without a pipeline, both at once (4 processes)
+        jobs = {name: _resume(name, tmp_path / "checkpoint", STEPS, tmp_path) for name in ("pp2", "stage3")}
+        for name, job in jobs.items():
+            _check_resumed(name, job.collect(), STEPS, tmp_path)
+        if os.environ.get("FLEETC_FULL"):  # another pipeline depth: pp=4; and pp=2's checkpoint back into stage 3 × pp
+            _check_resumed("pp4", _resume("pp4", tmp_path / "checkpoint", STEPS, tmp_path).collect(), STEPS, tmp_path)
+            skip = STEPS + RESUMED
+            resumed = _resume("pp2_stage3", tmp_path / "pp2" / "checkpoint", skip, tmp_path).collect()
+            _check_resumed("pp2_stage3", resumed, skip, tmp_path)
 
 
 # bf16 AMP whose first step overflows (a scale of 1e38) on some rank's gradients: every rank must skip it, then
@@ -248,7 +262,8 @@ def _check_checkpoint(results: list, checkpoint: pathlib.Path) -> None:
     model = make(STAGES)
     cut = {index for split in pieces.values() for index, _, _ in split}  # flat stage 2: cut between two ranks
     assert sorted(whole_in + sorted(cut)) == list(range(len(list(model.parameters()))))  # every one's state, once
-    _, saved = fleet_reference("gpt", STAGES, SHARDS * MICROBATCHES, STEPS)
+    _, saved_model, saved_optimizer = eager_reference_run("gpt", STAGES, SHARDS * MICROBATCHES, STEPS)
+    saved = {n: p.detach() for n, p in saved_model.named_parameters()}
     _, continued = fleet_reference("gpt", STAGES, SHARDS * MICROBATCHES, STEPS + 1)
     whole = fleetc.read_checkpoint(str(checkpoint))
     for name, value in saved.items():
@@ -257,6 +272,7 @@ def _check_checkpoint(results: list, checkpoint: pathlib.Path) -> None:
     trainer = fleetc.compile(model, optimizer=OPTIMIZERS[optimizer_name](model.parameters()),
                              loss_fn=ZOO["gpt"].loss_fn)
     trainer.load_checkpoint(str(checkpoint))
+    _check_optimizer_state("one process", trainer.optimizer.state_dict()["state"], saved_optimizer)
     g = torch.Generator().manual_seed(1)
     batch = [ZOO["gpt"].make_batch(g)[0] for _ in range(STEPS + 1)][-1]
     trainer.step(*batch)
@@ -271,60 +287,75 @@ def _check_checkpoint(results: list, checkpoint: pathlib.Path) -> None:
 
 def _check_resharding(checkpoint: pathlib.Path, tmp_path: pathlib.Path) -> None:
     """Resharding: the checkpoint of pp=2 × sharding=2 (flat stage 2: Adam's moments in pieces, some cut between
-    two ranks) resumes on 2 processes as pp=2 without sharding, and as sharding stage 2 without a pipeline. With
-    FLEETC_FULL=1 the latter's own checkpoint (plain flat stage 2 on 2 ranks) resumes as pp=2 × sharding=2 on 4."""
+    two ranks) resumes on 2 processes as pp=2 without sharding and as sharding stage 2 without a pipeline, and on 4
+    as pp=4 (another pipeline depth: each stage's part is re-cut). With FLEETC_FULL=1 it also resumes as flat
+    stage 2 on 4 (pp=1 × sharding=4), pp=4's own checkpoint resumes as pp=2 × sharding=2, and so does flat stage 2's
+    on 2."""
     jobs = {name: _resume(name, checkpoint, STEPS, tmp_path) for name in ("pp2", "sharding2")}
     for name, job in jobs.items():  # both at once: 4 processes, as the writer ran
         _check_resumed(name, job.collect(), STEPS, tmp_path)
+    _check_resumed("pp4", _resume("pp4", checkpoint, STEPS, tmp_path).collect(), STEPS, tmp_path)
     if os.environ.get("FLEETC_FULL"):
+        _check_resumed("sharding4", _resume("sharding4", checkpoint, STEPS, tmp_path).collect(), STEPS, tmp_path)
         skip = STEPS + RESUMED
-        _check_resumed("pp2_sharding2", _resume("pp2_sharding2", tmp_path / "sharding2" / "checkpoint", skip,
-                                                tmp_path).collect(), skip, tmp_path)
+        for writer in ("sharding2", "pp4"):
+            label = f"pp2_sharding2_from_{writer}"
+            job = _resume("pp2_sharding2", tmp_path / writer / "checkpoint", skip, tmp_path, label)
+            _check_resumed("pp2_sharding2", job.collect(), skip, tmp_path, label)
 
 
-def _resume(name: str, checkpoint: pathlib.Path, skip: int, tmp_path: pathlib.Path):
+def _resume(name: str, checkpoint: pathlib.Path, skip: int, tmp_path: pathlib.Path, label: str | None = None):
     """Start the mesh RESHARDED[name] resuming `checkpoint` (saved after `skip` steps) for RESUMED steps; it saves
-    its own checkpoint into tmp_path/name/checkpoint."""
+    its own checkpoint into tmp_path/label/checkpoint (label: the name unless given)."""
     world, stages, stage, microbatches = RESHARDED[name]
+    label = label or name
     return start(world, "fleet_resume", {"model": "gpt", "mode": "1F1B", "batch": 4, "stages": stages,
                                          "sharding_stage": stage, "microbatches": microbatches,
                                          "load": str(checkpoint), "skip": skip, "steps": RESUMED,
-                                         "save": str(tmp_path / name / "checkpoint")},
-                 tmp_path / name, deadline_s=240, module="fleet.pipeline_workers")
+                                         "save": str(tmp_path / label / "checkpoint")},
+                 tmp_path / label, deadline_s=240, module="fleet.pipeline_workers")
 
 
-def _check_resumed(name: str, results: list, skip: int, tmp_path: pathlib.Path) -> None:
-    """The resumed mesh continued as the uninterrupted eager run does (losses, every parameter), and the checkpoint
-    it saved then has its own layout and holds the eager run's optimizer state (moments and step counts)."""
+def _check_resumed(name: str, results: list, skip: int, tmp_path: pathlib.Path, label: str | None = None) -> None:
+    """The resumed mesh RESHARDED[name] continued as the uninterrupted eager run does (losses, every parameter,
+    whole), and the checkpoint it saved then has its own layout and holds the eager run's optimizer state (moments
+    and step counts)."""
+    label = label or name
     for r in results:
-        assert r.returncode == 0, f"{name} rank {r.rank}: {r.output[-3000:]}"
+        assert r.returncode == 0, f"{label} rank {r.rank}: {r.output[-3000:]}"
     world, stages, stage, _ = RESHARDED[name]
     assert results[0].result["mesh"] == str(ProcessMesh(pp=stages, sharding=world // stages))
-    meta = checkpoint_commit.open_latest(tmp_path / name / "checkpoint", ()).meta
+    meta = checkpoint_commit.open_latest(tmp_path / label / "checkpoint", ()).meta
     assert len(meta.get("pipeline_parts", ())) == (stages if stages > 1 else 0)
     assert len(meta.get("optimizer_shards", ())) == (world if stage else 0)
-    assert bool(meta.get("optimizer_shard_pieces")) == (stage == 2)  # flat stage 2 re-split the moments
+    assert bool(meta.get("optimizer_shard_pieces")) == (stage in (2, 3))  # flat buckets re-split the moments
     losses, model, optimizer = eager_reference_run("gpt", STAGES, SHARDS * MICROBATCHES, skip + RESUMED)
     # one loss per pipeline and replica, each the mean over its replica's share of the batch
     rank_losses = torch.tensor([r.result["losses"] for r in results])
     torch.testing.assert_close(rank_losses.mean(0), torch.tensor(losses[skip:]),
-                               msg=lambda m: f"{name} losses: {m}")
+                               msg=lambda m: f"{label} losses: {m}")
     continued = {key: p.detach() for key, p in model.named_parameters()}
     held = {}
     for r in results:
         held.update(r.result["params"])
         for key, value in r.result["params"].items():
             torch.testing.assert_close(value, continued[key],
-                                       msg=lambda m, key=key, r=r: f"{name} rank {r.rank} {key}: {m}")
+                                       msg=lambda m, key=key, r=r: f"{label} rank {r.rank} {key}: {m}")
     assert set(held) == set(continued)
-    saved = fleetc.read_checkpoint(str(tmp_path / name / "checkpoint"))["optimizer"]["state"]
+    saved = fleetc.read_checkpoint(str(tmp_path / label / "checkpoint"))["optimizer"]["state"]
+    _check_optimizer_state(label, saved, optimizer)
+
+
+def _check_optimizer_state(label: str, state: dict, optimizer: torch.optim.Optimizer) -> None:
+    """`state` (an optimizer state_dict's, by parameter index) is the eager `optimizer`'s: every parameter's Adam
+    moments and step count (flat pieces joined come back flattened)."""
     expected = optimizer.state_dict()["state"]
-    assert sorted(saved) == sorted(expected)
+    assert sorted(state) == sorted(expected), label
     for index, slots in expected.items():
-        assert sorted(saved[index]) == sorted(slots)
-        for key, value in slots.items():  # flat stage 2's pieces come back flattened
-            torch.testing.assert_close(saved[index][key].reshape(value.shape), value,
-                                       msg=lambda m, index=index, key=key: f"{name} {index} {key}: {m}")
+        assert sorted(state[index]) == sorted(slots), (label, index)
+        for key, value in slots.items():
+            torch.testing.assert_close(state[index][key].reshape(value.shape), value,
+                                       msg=lambda m, index=index, key=key: f"{label} {index} {key}: {m}")
 
 
 def _check_misfits(checkpoint: pathlib.Path) -> None:

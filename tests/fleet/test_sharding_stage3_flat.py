@@ -20,7 +20,9 @@ from zoo import OPTIMIZERS, ZOO
 
 import fleetc
 from fleet.spawn import assert_all_ok, spawn
+from fleet.test_data_parallel import check_run
 from fleet.test_sharding import (
+    FP32_ATOL,
     PURE_BF16,
     check_sharding,
     clipped,
@@ -284,3 +286,41 @@ def test_pure_low_precision_stage_3_with_whole_parameter_ownership_equals_data_p
         assert stage_3["stats"]["sharding"]["param_gather_buckets"] == 2
         for name, value in plain["state"].items():
             assert value.dtype == torch.bfloat16 and torch.equal(stage_3["state"][name], value), name
+
+
+MERGED_MESH = {"gradient_merge": True, "gradient_merge_configs": {"k_steps": 2},
+               "hybrid_configs": {"dp_degree": 2, "sharding_degree": 2}}
+# unsharded data parallel with gradient merge on 4 ranks, then stage 3 (small parameter buckets) on
+# dp_degree=2 × sharding_degree=2 with the same merge: two updates of two merged steps each. The cnn, not the mlp:
+# Adam on the mlp over 4 shards has an element whose gradient is rounding noise (float64 eager lands 0.04 away from
+# float32 eager there), where unsharded data parallel, summing in another order, is 1.5e-5 from eager.
+MERGED_MESH_CONFIGS = [
+    {"zoo": "cnn", "optimizer": "adam", "steps": 4, "strategy": {key: MERGED_MESH[key] for key in MERGED_MESH
+                                                                  if key != "hybrid_configs"}},
+    {"zoo": "cnn", "optimizer": "adam", "steps": 4,
+     "strategy": {**MERGED_MESH, **sharded(3, sharding_configs={"stage": 3, "segment_broadcast_MB": 0.01})}}]
+
+
+@pytest.mark.skipif(not os.environ.get("FLEETC_FULL"), reason="4 processes: FLEETC_FULL=1")
+def test_stage_3_with_gradient_merge_on_data_parallel_replicas_of_sharding_groups(tmp_path):
+    """Stage 3 × gradient merge (k=2) on dp_degree=2 × sharding_degree=2: each rank accumulates its own gradients
+    whole, once per k steps reduce-scatters them over its sharding group and averages its pieces over its replica.
+    Both runs match eager accumulating over the 4 shards (fp32 tolerance; losses and every parameter) and each other;
+    replicas (0, 2) and (1, 3) hold the same pieces, which cover the model once per sharding group."""
+    results = spawn(4, "train_sharded", {"configs": MERGED_MESH_CONFIGS}, tmp_path, deadline_s=420,
+                    module="fleet.sharding_workers")
+    assert_all_ok(results)
+    for i, config in enumerate(MERGED_MESH_CONFIGS):
+        check_run(results, i, 4, config, per_shard=True, atol=FP32_ATOL)
+    plain, merged = ([r.result["runs"][i] for r in results] for i in range(2))
+    for ours, base in zip(merged, plain):
+        for name, value in base["state"].items():
+            torch.testing.assert_close(ours["state"][name], value, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(ours["eval"], ours["eager_eval"])
+    stats = merged[0]["report"]["sharding"]
+    assert stats["params_split"] >= 1 and stats["reduce_scatter_buckets"] > 1, stats
+    held = [run["held_param_elements"] for run in merged]
+    whole = merged[0]["memory"]["parameters"]
+    assert held[0] == held[2] and held[1] == held[3] and held[0] + held[1] == whole, held
+    assert merged[0]["memory"]["merge_accumulator_bytes"] == 4 * whole
+    assert merged[0]["update_block"] is not None and plain[0]["update_block"] is not None

@@ -82,9 +82,10 @@ class TwoStageMLP(nn.Module):
 SCALING_STATE = ("loss_scaling", "num_good_steps", "num_bad_steps")  # AMP's loss-scaling counters
 
 
-def staged_gpt_program(optimizer: type[torch.optim.Optimizer], **strategy_fields) -> tuple[Program, object]:
-    """The 2-stage GPT's training Program on its first sample, captured with `optimizer`, and the resolved config of
-    a pipeline strategy (1 × 2 micro-batches) with `strategy_fields` also set."""
+def staged_gpt_program(optimizer: type[torch.optim.Optimizer], stages: int = 2,
+                       **strategy_fields) -> tuple[Program, object]:
+    """The GPT's training Program in `stages` device_guard stages on its first sample, captured with `optimizer`,
+    and the resolved config of a pipeline strategy (1 × 2 micro-batches) with `strategy_fields` also set."""
     strategy = fleetc.DistributedStrategy()
     strategy.pipeline = True
     strategy.pipeline_configs = {"micro_batch_size": 1, "accumulate_steps": 2}
@@ -92,7 +93,7 @@ def staged_gpt_program(optimizer: type[torch.optim.Optimizer], **strategy_fields
         setattr(strategy, key, value)
     config, _ = resolve_conflicts(resolve_strategy(strategy))
     torch.manual_seed(0)
-    model = StagedGPT(2)
+    model = StagedGPT(stages)
     batch, _ = ZOO["gpt"].make_batch(torch.Generator().manual_seed(0))
     program = capture_train_program(model, ZOO["gpt"].loss_fn, optimizer(model.parameters(), lr=0.1),
                                     tuple(a[:1] for a in batch), {})

@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import math
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers.pipeline import STAGED, staged_gpt_program
+from helpers.pipeline import STAGED, StagedGPT, staged_gpt_program
 
 import fleetc
 from fleetc.comm.mesh import ProcessMesh
 from fleetc.errors import PassStrategyError
+from fleetc.fleet.pipeline_state import chunk_state_pieces
 from fleetc.fleet.sharded_params import sharded_parameters
+from fleetc.fleet.sharded_state import state_pieces
 from fleetc.fleet.trainer import sharding_metadata
 from fleetc.ir.program import OpRole, Program
 from fleetc.passes.data_parallel import InsertAllreduce
@@ -28,10 +31,11 @@ from fleetc.passes.sharding.param_sharding import GATHER_START, GATHER_WAIT
 MESH = ProcessMesh(pp=2, sharding=2)
 
 
-def _split(stage: int, rank: int, mesh: ProcessMesh = MESH, fields: dict | None = None, clip=None):
-    """The GPT's training Program through the passes as rank `rank` of `mesh` compiles it (with the strategy's
-    `fields` also set, the gradients clipped by `clip`): (program, plan, sharding pass report)."""
-    program, config = staged_gpt_program(torch.optim.Adam, sharding=True, sharding_configs={"stage": stage},
+def _split(stage: int, rank: int, mesh: ProcessMesh = MESH, fields: dict | None = None, clip=None, stages: int = 2):
+    """The GPT's training Program (in `stages` device_guard stages) through the passes as rank `rank` of `mesh`
+    compiles it (with the strategy's `fields` also set, the gradients clipped by `clip`): (program, plan, sharding
+    pass report)."""
+    program, config = staged_gpt_program(torch.optim.Adam, stages, sharding=True, sharding_configs={"stage": stage},
                                          **(fields or {}))
     if clip is not None:
         program, _ = GradientClip(clip).run(program, config)
@@ -194,3 +198,25 @@ def test_with_data_parallel_replicas_the_shards_are_averaged_over_the_dp_axis(st
         assert scatter.args[3:5] == ("sharding", "sharding_dp")
         gathers = [op for op in chunk.phases.get("gather", Program()).global_block.ops if op.type == GATHER_START]
         assert bool(gathers) == (stage == 3) and all(op.args[4] == "sharding" for op in gathers)
+
+
+def test_a_vpp_rank_keeps_and_saves_the_pieces_of_every_chunk_it_runs():
+    """VPP (pp=2, 2 chunks per pipeline rank) × stage 3: pipeline rank 0 runs chunks 0 and 2, each chunk's
+    optimizer Program keeping pieces of its own parameters' state. The pieces a rank's optimizer shard file lists
+    (`chunk_state_pieces`) are both chunks' (a checkpoint listing only the first chunk's did not load), and over
+    the sharding group they cover each cut parameter's state once."""
+    vpp = {"pipeline_configs": {"micro_batch_size": 1, "accumulate_steps": 2, "schedule_mode": "VPP",
+                                "vpp_degree": 2}}
+    model = StagedGPT(4)
+    optimizer = torch.optim.Adam(model.parameters())
+    numel = [p.numel() for p in model.parameters()]
+    covered: dict[int, int] = {}
+    for i in range(2):
+        _, plan, _ = _split(3, MESH.rank(pp=0, sharding=i), fields=vpp, stages=4)
+        pipe = SimpleNamespace(chunks=[0, 2], plan=plan)
+        pieces = chunk_state_pieces(pipe, optimizer, model)
+        per_chunk = [state_pieces(plan.stages[s].phases["optimizer"].metadata, optimizer, model) for s in (0, 2)]
+        assert all(per_chunk) and sorted(per_chunk[0] + per_chunk[1]) == pieces
+        for index, lo, hi in pieces:
+            covered[index] = covered.get(index, 0) + hi - lo
+    assert covered and all(n == numel[index] for index, n in covered.items()), covered
