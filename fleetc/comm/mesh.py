@@ -150,6 +150,21 @@ def pipeline_degree(config: Any, pp_degree: int, stages: int | None) -> int:
     return stages or pp_degree
 
 
+def pipeline_layout(config: Any, stages: int | None) -> tuple[int | None, int, int] | None:
+    """(pipeline ranks, chunks per rank, k_steps) of the pipeline the strategy builds for a training Program of
+    `stages` device_guard stages (None: not captured yet, or no annotations), which a checkpoint's carried
+    gradient-merge sums must fit (runtime/pipeline_checkpoint.py's `check_carried`). Known from the strategy alone
+    when `hybrid_configs.pp_degree` gives the stage count; before the capture that finds the device_guard stages
+    the rank count is None. None without `strategy.pipeline`."""
+    if not config.pipeline:
+        return None
+    vpp = config.pipeline_configs.vpp_degree
+    k_steps = config.gradient_merge_configs.k_steps if config.gradient_merge else 1
+    if stages is None and config.hybrid_configs.pp_degree <= 1:
+        return None, vpp, k_steps  # the device_guard annotations decide the depth, at capture
+    return pipeline_degree(config, config.hybrid_configs.pp_degree, stages) // vpp, vpp, k_steps
+
+
 def _sharding_degree(config: Any, hybrid_degree: int, rest: int, notes: list[str]) -> tuple[int, str]:
     """The sharding degree and the field it came from."""
     configured = config.sharding_configs.sharding_degree

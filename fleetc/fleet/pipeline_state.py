@@ -63,12 +63,6 @@ def stored_by(pipe: PipelineExecutor) -> dict[str, int]:
     return {name: pipe.schedule.rank_of(s) for name, s in lowest.items()}
 
 
-def pipeline_layout(pipe: PipelineExecutor | None) -> tuple[int, int, int] | None:
-    """(pipeline ranks, chunks per rank, k_steps) of a pipeline (None: none), which a checkpoint's carried
-    gradient-merge sums must fit (runtime/pipeline_checkpoint.py's `check_carried`)."""
-    return None if pipe is None else (pipe.schedule.ranks, pipe.schedule.vpp, pipe.k_steps)
-
-
 def chunk_state_pieces(pipe: PipelineExecutor, optimizer: torch.optim.Optimizer, model: nn.Module
                        ) -> list[list[int]]:
     """`state_pieces` of every chunk this rank runs (VPP: several, each holding pieces of its own parameters): the

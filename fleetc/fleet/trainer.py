@@ -11,7 +11,7 @@ from torch import nn
 from fleetc.capture import DynamicDims
 from fleetc.comm import env, groups, host
 from fleetc.comm.faults import collective_failed
-from fleetc.comm.mesh import ProcessMesh, resolve_mesh
+from fleetc.comm.mesh import ProcessMesh, pipeline_layout, resolve_mesh
 from fleetc.comm.plan import check_plans_agree, check_ranks_agree
 from fleetc.compiler import CompiledStep, CompiledTrainer
 from fleetc.errors import CheckpointError, StrategyError
@@ -19,7 +19,6 @@ from fleetc.fleet.merge_state import averaged_accumulators
 from fleetc.fleet.pipeline_state import (
     chunk_state_pieces,
     gather_stage_state,
-    pipeline_layout,
     save_pipeline_checkpoint,
 )
 from fleetc.fleet.sharded_params import (
@@ -179,10 +178,16 @@ class DataParallelTrainer(CompiledTrainer):
             self._resume_pipeline(pipeline)
         return pipeline
 
+    def _pipeline_layout(self, pipeline: PipelineExecutor | None) -> tuple[int | None, int, int] | None:
+        """The layout a loaded checkpoint's carried gradient-merge sums must fit: the built pipeline's, else the one
+        the strategy plans (its depth None while the device_guard stages that decide it are not captured)."""
+        return pipeline_layout(self.config, len(pipeline.plan.stages) if pipeline is not None else None)
+
     def _resume_pipeline(self, pipeline: PipelineExecutor) -> None:
-        """Hand a loaded checkpoint's carried gradient-merge state for this rank to its pipeline executor."""
+        """Hand a loaded checkpoint's carried gradient-merge state for this rank to its pipeline executor (its layout
+        was checked by the load, but for a depth the device_guard stages decided after it)."""
         try:
-            check_carried(self._resumed_merges, pipeline_layout(pipeline), "the loaded checkpoint")
+            check_carried(self._resumed_merges, self._pipeline_layout(pipeline), "the loaded checkpoint")
             pipeline.load_state(self._resumed_merges.get(pipeline.ranks_here[0]))
         except StrategyError as exc:
             raise CheckpointError(f"the loaded checkpoint does not fit this pipeline: {exc}") from exc
@@ -320,7 +325,7 @@ class DataParallelTrainer(CompiledTrainer):
         live = self._live_state()
         if self.config.pipeline and self.world_size > 1:  # a pipeline rank takes its carried gradient-merge sums
             live.pipeline_merges = {}
-            live.pipeline_layout = pipeline_layout(self._distributed_pipeline())  # None: checked once built
+            live.pipeline_layout = self._pipeline_layout(self._distributed_pipeline())  # checked before restoring
         with whole(self._sharded_params):  # stage 3: the checkpoint's whole parameters, then this rank's again
             loaded = load_checkpoint(dirname, live, self.config, agree,
                                      owned_indices(self.optimizer, self.model, self._owned))

@@ -187,9 +187,9 @@ class TrainerState:
     owned: dict[str, torch.Tensor]
     rank: int = 0
     pipeline_merges: dict[int, dict] | None = None  # a pipeline rank's trainer: receives the carried merge state
-    # a pipeline rank's trainer whose pipeline exists: (pipeline ranks, chunks per rank, k_steps), which the carried
-    # merge state must fit
-    pipeline_layout: tuple[int, int, int] | None = None
+    # a pipeline rank's trainer: (pipeline ranks, chunks per rank, k_steps) of its pipeline, built or planned
+    # (comm/mesh.py's `pipeline_layout`; ranks None while unknown), which the carried merge state must fit
+    pipeline_layout: tuple[int | None, int, int] | None = None
 
     def snapshot(self) -> tuple[dict, dict | None, dict[str, torch.Tensor], dict[str, Any]]:
         """Copies of everything a restore may change: model, optimizer, owned state, RNG."""

@@ -79,15 +79,18 @@ def mid_period(merges: Mapping[int, Mapping]) -> bool:
     return any(m["steps_merged"] > 0 for m in merges.values())
 
 
-def check_carried(merges: Mapping[int, Mapping], layout: tuple[int, int, int], where: str) -> None:
+def check_carried(merges: Mapping[int, Mapping], layout: tuple[int | None, int, int], where: str) -> None:
     """CheckpointError unless a pipeline of `layout` = (pipeline ranks, chunks per rank, k_steps), rank r running
     chunks r, r + ranks, ..., can take the carried gradient-merge sums `merges` (by pipeline rank) of the checkpoint
     at `where`: saved at an update boundary, or mid-period by a pipeline of that very layout. The sums are per chunk
-    of the writer's cut: on another depth or chunking they would be added to other gradients, or lost. Every rank
-    holds every part's merge state, so all ranks decide alike."""
+    of the writer's cut: on another depth or chunking they would be added to other gradients, or lost. Ranks None
+    (comm/mesh.py's `pipeline_layout` before the capture that finds the device_guard stages): the chunking and
+    k_steps are checked on the writer's depth, which the pipeline, once built, must have too. Every rank holds every
+    part's merge state, so all ranks decide alike."""
     if not mid_period(merges):
         return
     ranks, vpp, k_steps = layout
+    ranks = len(merges) if ranks is None else ranks
     steps = {index: merge["steps_merged"] for index, merge in merges.items()}
     chunks_of = {r: [r + ranks * v for v in range(vpp)] for r in range(ranks)}
     if sorted(merges) != sorted(chunks_of):

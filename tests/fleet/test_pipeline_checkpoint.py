@@ -3,6 +3,7 @@ each stage writes its own part into one commit, the job resumes from them bit fo
 the tied embedding is stored once, and the checkpoint loads into a single process."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 
@@ -13,8 +14,11 @@ from zoo import OPTIMIZERS, ZOO
 
 import fleetc
 from fleet.spawn import spawn
+from fleetc.comm.mesh import pipeline_layout
+from fleetc.fleet.trainer import DataParallelTrainer
 from fleetc.runtime import checkpoint_commit
 from fleetc.runtime.checkpoint import load_checkpoint
+from fleetc.strategy import resolve_conflicts, resolve_strategy
 
 pytestmark = pytest.mark.slow  # CI still runs them
 
@@ -80,29 +84,88 @@ def test_stages_write_their_parts_and_the_job_resumes_from_them(tmp_path):
     with pytest.raises(fleetc.CheckpointError, match="between gradient-merge updates"):
         trainer.load_checkpoint(mid)
     _check_carried_sums_need_the_same_pipeline(mid, trainer)
+    _check_refused_before_the_first_step(mid, boundary)
     trainer.load_checkpoint(boundary)
     for name, p in model.named_parameters():
         assert torch.equal(p, trained[name]), name
         assert torch.equal(trainer.optimizer.state[p]["exp_avg"], exp_avg[name]), name
 
 
+def _pipeline_strategy(**fields) -> fleetc.DistributedStrategy:
+    """The checkpoint's writer's strategy (2 device_guard stages, 1F1B, k_steps=2), with `fields` changed."""
+    strategy = fleetc.DistributedStrategy()
+    strategy.pipeline = True
+    strategy.pipeline_configs = {"micro_batch_size": 1, "accumulate_steps": 2, "schedule_mode": "1F1B",
+                                 **fields.pop("pipeline_configs", {})}
+    strategy.gradient_merge, strategy.gradient_merge_configs = True, {"k_steps": ARGS["k_steps"]}
+    for field, value in fields.items():
+        setattr(strategy, field, value)
+    return strategy
+
+
+def _planned(**fields) -> tuple:
+    """The layout a trainer of the strategy plans before its first step (comm/mesh.py; no capture)."""
+    return pipeline_layout(resolve_conflicts(resolve_strategy(_pipeline_strategy(**fields)))[0], None)
+
+
 def _check_carried_sums_need_the_same_pipeline(mid: str, trainer) -> None:
     """The mid-period checkpoint of 2 pipeline ranks, one chunk each, as a pipeline rank's trainer of another layout
     would load it: its carried sums are per chunk of the writer's cut, so 4 pipeline ranks (another depth) and 2
-    ranks of 2 chunks (VPP) are refused by name, before anything is restored; the writer's layout takes them."""
-    for layout, message in (((4, 1, 2), r"by a pipeline of 2 rank\(s\) \(parts \[0, 1\]\).*this pipeline has 4"),
-                            ((2, 2, 2), (r"pipeline\.pp00000\.pt: carries the gradient sums of chunks \[0\] after 1 "
-                                         r"merged step\(s\), but this pipeline's rank 0 runs chunks \[0, 2\]")),
-                            ((2, 1, 1), r"pipeline\.pp00000\.pt: .* runs chunks \[0\] with k_steps=1")):
+    ranks of 2 chunks (VPP) are refused by name, before anything is restored; the writer's layout takes them. The
+    layouts as a trainer plans them from its strategy before its first step too: the depth from
+    hybrid_configs.pp_degree, else unknown (device_guard decides it at capture; the rest is checked on the writer's)."""
+    four_deep = _planned(hybrid_configs={"pp_degree": 4})
+    assert four_deep == (4, 1, 2) and _planned(hybrid_configs={"pp_degree": 2}) == (2, 1, 2)
+    assert _planned(pipeline_configs={"vpp_degree": 2, "schedule_mode": "VPP"},
+                    hybrid_configs={"pp_degree": 4}) == (2, 2, 2)
+    no_merge, vpp = _planned(gradient_merge=False), _planned(pipeline_configs={"vpp_degree": 2, "schedule_mode": "VPP"})
+    assert (no_merge, vpp) == ((None, 1, 1), (None, 2, 2))
+    by_depth = r"by a pipeline of 2 rank\(s\) \(parts \[0, 1\]\).*this pipeline has 4"
+    by_chunks = (r"pipeline\.pp00000\.pt: carries the gradient sums of chunks \[0\] after 1 merged step\(s\), but "
+                 r"this pipeline's rank 0 runs chunks \[0, 2\]")
+    by_k_steps = r"pipeline\.pp00000\.pt: .* runs chunks \[0\] with k_steps=1"
+    for layout, message in (((4, 1, 2), by_depth), ((2, 2, 2), by_chunks), ((2, 1, 1), by_k_steps),
+                            (four_deep, by_depth), (vpp, by_chunks), (no_merge, by_k_steps)):
         state = dataclasses.replace(trainer._live_state(), pipeline_merges={}, pipeline_layout=layout)
         before = {name: value.clone() for name, value in trainer.model.state_dict().items()}
         with pytest.raises(fleetc.CheckpointError, match=message):
             load_checkpoint(mid, state, trainer.config)
         assert state.pipeline_merges == {}
         assert all(torch.equal(value, before[name]) for name, value in trainer.model.state_dict().items())
+    for layout in (_planned(), _planned(hybrid_configs={"pp_degree": 2})):  # the writer's, planned
+        state = dataclasses.replace(trainer._live_state(), pipeline_merges={}, pipeline_layout=layout)
+        load_checkpoint(mid, state, trainer.config)
+        assert sorted(state.pipeline_merges) == [0, 1]
     state = dataclasses.replace(trainer._live_state(), pipeline_merges={}, pipeline_layout=(2, 1, 2))
     load_checkpoint(mid, state, trainer.config)
     assert sorted(state.pipeline_merges) == [0, 1] and state.pipeline_merges[1]["steps_merged"] == 1
+
+
+def _check_refused_before_the_first_step(mid: str, boundary: str) -> None:
+    """A pipeline rank's trainer of another layout (4 device_guard stages, 2 chunks per rank: the pipeline of 2
+    ranks the checkpoint came from, but another chunking) that loads the mid-period checkpoint before its first
+    step: the load itself refuses it by name, and the model's parameters and buffers and the optimizer's state
+    (restored from the update-boundary checkpoint first) are exactly as before. (Another k_steps is refused by the
+    strategy-state check of fleetc.pt before this.) The trainer is built in this process and told it is one of 2
+    ranks, as it is in a job: the load's checks need no collective."""
+    make, optimizer_name = STAGED["gpt"]
+    model = make(4)
+    trainer = DataParallelTrainer(model, _pipeline_strategy(pipeline_configs={"vpp_degree": 2, "schedule_mode": "VPP"}),
+                                  optimizer=OPTIMIZERS[optimizer_name](model.parameters()), loss_fn=ZOO["gpt"].loss_fn)
+    trainer.world_size = 2  # a pipeline rank's trainer takes carried sums
+    trainer.load_checkpoint(boundary)  # parameters and Adam state worth keeping
+    model_before = {name: value.clone() for name, value in model.state_dict().items()}
+    state_before = copy.deepcopy(trainer.optimizer.state_dict())
+    with pytest.raises(fleetc.CheckpointError, match=r"pipeline\.pp00000\.pt: .* runs chunks \[0, 2\]"):
+        trainer.load_checkpoint(mid)
+    assert {m["steps_merged"] for m in trainer._resumed_merges.values()} == {0}  # still the boundary's
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, model_before[name]), name
+    state_after = trainer.optimizer.state_dict()
+    assert state_after["state"].keys() == state_before["state"].keys() and state_before["state"]
+    for index, slots in state_before["state"].items():
+        for key, value in slots.items():
+            assert torch.equal(torch.as_tensor(state_after["state"][index][key]), torch.as_tensor(value)), key
 
 
 def test_amp_loss_scaling_state_round_trips_through_the_stage_parts(tmp_path):
