@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 import fleetc
-from fleetc.comm.mesh import ProcessMesh, resolve_mesh
+from fleetc.comm.mesh import ProcessMesh, pipeline_layout, resolve_mesh
 from fleetc.strategy import resolve_strategy
 
 
@@ -90,3 +90,17 @@ def test_a_sharding_degree_that_does_not_fit_a_pipeline_stage_names_the_field(de
 def test_tensor_parallel_is_refused_by_name():
     with pytest.raises(fleetc.StrategyError, match="mp_degree is 2: tensor .model. parallelism is not implemented"):
         resolve_mesh(config(hybrid_configs={"mp_degree": 2}), 2)
+
+
+def test_the_pipeline_layout_comes_from_the_strategy_before_a_capture():
+    """(pipeline ranks, chunks per rank, k_steps): the depth from hybrid_configs.pp_degree (chunks over vpp_degree),
+    or from the captured device_guard stage count; unknown (None) before that capture without pp_degree."""
+    merge = {"gradient_merge": True, "gradient_merge_configs": {"k_steps": 3}}
+    assert pipeline_layout(config(pipeline=True, hybrid_configs={"pp_degree": 4}, **merge), None) == (4, 1, 3)
+    vpp = config(pipeline=True, pipeline_configs={"vpp_degree": 2, "schedule_mode": "VPP"})
+    assert pipeline_layout(vpp, None) == (None, 2, 1)
+    assert pipeline_layout(vpp, 8) == (4, 2, 1)
+    assert pipeline_layout(config(pipeline=True, **merge), 2) == (2, 1, 3)
+    assert pipeline_layout(config(**merge), 4) is None  # no pipeline
+    with pytest.raises(fleetc.StrategyError, match="pp_degree is 4 but the model's device_guard marks 2"):
+        pipeline_layout(config(pipeline=True, hybrid_configs={"pp_degree": 4}), 2)
