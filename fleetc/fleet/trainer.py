@@ -189,6 +189,10 @@ class DataParallelTrainer(CompiledTrainer):
         try:
             check_carried(self._resumed_merges, self._pipeline_layout(pipeline), "the loaded checkpoint")
             pipeline.load_state(self._resumed_merges.get(pipeline.ranks_here[0]))
+        except CheckpointError as exc:  # only a depth the load could not know
+            raise CheckpointError(f"{exc} (found at the first step, whose capture gave the pipeline depth: the load "
+                                  "had already restored the checkpoint; set hybrid_configs.pp_degree to have the load "
+                                  "refuse it before restoring anything)") from exc
         except StrategyError as exc:
             raise CheckpointError(f"the loaded checkpoint does not fit this pipeline: {exc}") from exc
         finally:

@@ -26,6 +26,8 @@ def _trainer(args: dict, seed: int):
                                  "accumulate_steps": args["microbatches"], "schedule_mode": args["mode"]}
     strategy.gradient_merge = True
     strategy.gradient_merge_configs = {"k_steps": args["k_steps"]}
+    if args.get("pp_degree"):  # the depth known before the first step's capture
+        strategy.hybrid_configs = {"pp_degree": args["pp_degree"]}
     if args.get("amp_configs"):
         strategy.amp = True
         strategy.amp_configs = args["amp_configs"]
@@ -75,16 +77,21 @@ def resumed(rank: int, args: dict, out_dir: str) -> None:
 
 
 def refused(rank: int, args: dict, out_dir: str) -> None:
-    """Load the checkpoint saved after `resume_after` steps and try the next step: saves the CheckpointError each
-    rank gets (None: it trained)."""
-    _, trainer = _trainer(args, seed=100 + rank)
-    fleet.load_persistables(args["saves"][str(args["resume_after"])], trainer)
-    try:
-        trainer.step(*_batches(args, rank)[args["resume_after"]])
-        error = None
-    except fleetc.CheckpointError as exc:
-        error = str(exc)
-    torch.save({"error": error}, os.path.join(out_dir, f"rank{rank}.pt"))
+    """Load the checkpoint saved after `resume_after` steps and try the next step, once with the depth from the
+    device_guard stages alone and once with `hybrid_configs.pp_degree` set: saves the CheckpointError each rank gets
+    and where ("load" or "step"; None: it trained), by the pp_degree given (0: none)."""
+    found = {}
+    for pp_degree in (0, args["stages"]):
+        _, trainer = _trainer({**args, "pp_degree": pp_degree}, seed=100 + rank)
+        at = "load"
+        try:
+            fleet.load_persistables(args["saves"][str(args["resume_after"])], trainer)
+            at = "step"
+            trainer.step(*_batches(args, rank)[args["resume_after"]])
+            found[pp_degree] = None
+        except fleetc.CheckpointError as exc:
+            found[pp_degree] = (at, str(exc))
+    torch.save(found, os.path.join(out_dir, f"rank{rank}.pt"))
     fleet.barrier_worker()
     fleet.stop_worker()
 

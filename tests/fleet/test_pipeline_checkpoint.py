@@ -206,7 +206,8 @@ def test_pp_times_dp_resumes_mid_period_from_the_replicas_average(tmp_path):
     """pp=2 × dp=2, saved mid gradient-merge period: only dp-rank 0 of each stage writes, its part holding the
     replicas' average carried sums; new processes resume and match the uninterrupted run (fp32 tolerance: the
     average is taken before, not after, the last step's sums are added). pp=4 on the same 4 processes (another
-    depth: the sums are per chunk of the writer's cut) refuses it on every rank, by name, at its first step."""
+    depth: the sums are per chunk of the writer's cut) refuses it on every rank, by name: in the load when
+    hybrid_configs.pp_degree gives the depth, at its first step when only the device_guard stages do."""
     args = {**ARGS, "saves": {"3": str(tmp_path / "mid")}, "resume_after": 3}
     straight = spawn(4, "uninterrupted", args, tmp_path / "straight", deadline_s=300,
                      module="fleet.pipeline_checkpoint_workers")
@@ -224,5 +225,9 @@ def test_pp_times_dp_resumes_mid_period_from_the_replicas_average(tmp_path):
                    module="fleet.pipeline_checkpoint_workers")
     for r in deeper:
         assert r.returncode == 0, r.output[-3000:]
-        assert "saved between gradient-merge updates by a pipeline of 2 rank(s)" in r.result["error"]
-        assert "this pipeline has 4" in r.result["error"], r.result["error"]
+        # the depth from hybrid_configs.pp_degree: the load refuses it; from device_guard alone: the first step
+        assert r.result[4][0] == "load" and r.result[0][0] == "step", r.result
+        assert "set hybrid_configs.pp_degree" in r.result[0][1] and "does not fit rank" in r.result[4][1]
+        for _, error in r.result.values():
+            assert "saved between gradient-merge updates by a pipeline of 2 rank(s)" in error
+            assert "this pipeline has 4" in error, error
