@@ -170,26 +170,36 @@ OVERFLOWING_AMP = {"init_loss_scaling": 1e38, "decr_every_n_nan_or_inf": 1, "dec
                    "incr_every_n_steps": 1}
 
 
-# the compositions checked against the unsharded pipeline: (extra worker arguments, steps, bit for bit)
+# bf16 pure AMP (O2: the whole model in bfloat16, float32 master weights) with the overflowing first step
+PURE = {**OVERFLOWING_AMP, "use_pure_fp16": True, "use_fp16_guard": False}
+
+# the compositions checked against the unsharded pipeline: (extra worker arguments, steps, bit for bit); the sharding
+# stage is 3 unless the extra arguments name another
 COMPOSED = {"amp": ({"amp": OVERFLOWING_AMP}, 3, True),
             "clip_merge": ({"clip_norm": 0.05, "k_steps": 2}, 4, False),  # the norm sums pieces: to rounding
-            "amp_clip_merge": ({"amp": OVERFLOWING_AMP, "clip_norm": 0.05, "k_steps": 2}, 6, False)}
+            "amp_clip_merge": ({"amp": OVERFLOWING_AMP, "clip_norm": 0.05, "k_steps": 2}, 6, False),
+            "pure": ({"amp": PURE}, 3, True),
+            "pure_stage1": ({"amp": PURE, "sharding_stage": 1}, 3, True),
+            "pure_stage2": ({"amp": PURE, "sharding_stage": 2}, 3, True)}
 
 
 @pytest.mark.skipif(not os.environ.get("FLEETC_FULL"), reason="two 4-process runs each; FLEETC_FULL=1 runs them")
 @pytest.mark.parametrize("composed", sorted(COMPOSED))
-def test_stage_3_of_a_pipeline_composed_equals_the_unsharded_pipeline(composed, tmp_path):
+def test_sharded_pipeline_composed_equals_the_unsharded_pipeline(composed, tmp_path):
     """Stage 3 × pipeline under AMP (bf16, dynamic loss scaling), global-norm clipping with gradient merge, and all
-    three, against pp=2 × dp=2 without sharding under the same strategy. AMP: each rank checks only the gradient
-    pieces it keeps, found_inf is max-allreduced over the stage's sharding group and then summed over the stages,
-    so the whole pp × sharding mesh skips the overflowing first step together and keeps the same loss-scaling
-    state. Losses, every parameter and the scaling state equal the unsharded run's, bit for bit without clipping
-    (with it the squared norm is summed piece by piece: fp32 tolerance)."""
+    three; and stages 1, 2 and 3 × pipeline under use_pure_fp16 (bf16): each against pp=2 × dp=2 without sharding
+    under the same strategy. AMP: each rank checks only the gradient pieces it keeps (stages 2 and 3), found_inf
+    is max-allreduced over the stage's sharding group and then summed over the stages, so the whole pp × sharding
+    mesh skips the overflowing first step together and keeps the same loss-scaling state. Losses, every parameter
+    and the scaling state equal the unsharded run's, bit for bit without clipping (with it the squared norm is
+    summed piece by piece: fp32 tolerance). use_pure_fp16: every parameter is bfloat16 on both runs, and under
+    stage 3 so is every parameter of full_state_dict(), equal to the unsharded run's."""
     extra, steps, exact = COMPOSED[composed]
+    stage = extra.get("sharding_stage", 3)
     args = {"model": "gpt", "mode": "1F1B", "microbatches": MICROBATCHES, "steps": steps, "stages": STAGES,
             "batch": 4, **extra}
-    sharded, unsharded = (spawn(STAGES * SHARDS, "fleet_train", {**args, "sharding_stage": stage}, tmp_path / str(stage),
-                                deadline_s=300, module="fleet.pipeline_workers") for stage in (3, None))
+    sharded, unsharded = (spawn(STAGES * SHARDS, "fleet_train", {**args, "sharding_stage": s}, tmp_path / str(s),
+                                deadline_s=300, module="fleet.pipeline_workers") for s in (stage, None))
     for r in [*sharded, *unsharded]:
         assert r.returncode == 0, r.output[-3000:]
     same = torch.equal if exact else (lambda a, b: torch.allclose(a, b, rtol=1.3e-6, atol=1e-5))
@@ -198,18 +208,27 @@ def test_stage_3_of_a_pipeline_composed_equals_the_unsharded_pipeline(composed, 
     assert all(r.result["scaling"] == scaling for r in unsharded)
     if "amp" in extra:  # the first step overflowed and was skipped
         assert scaling[0] < OVERFLOWING_AMP["init_loss_scaling"]
+    pure = extra.get("amp", {}).get("use_pure_fp16", False)
+    if pure:
+        assert {value.dtype for value in reference.values()} == {torch.bfloat16}
     mesh, plain = ProcessMesh(pp=STAGES, sharding=SHARDS), ProcessMesh(dp=SHARDS, pp=STAGES)
     for r in sharded:
         ops = r.result["sharding"]["optimizer_ops"]
-        if "amp" in extra:
+        if "amp" in extra and stage > 1:
             assert ops.index(CHECK_FINITE) < ops.index(FOUND_INF_MAX) < ops.index(SHARED_SUM,
                                                                                  ops.index(FOUND_INF_MAX))
+        elif "amp" in extra:  # stage 1: each rank checks the whole averaged gradients, found_inf summed over stages
+            assert FOUND_INF_MAX not in ops and ops.index(CHECK_FINITE) < ops.index(SHARED_SUM, ops.index(CHECK_FINITE))
         assert r.result["scaling"] == scaling, r.rank
         replica = mesh.coordinates(r.rank)["sharding"]
         expected = unsharded[plain.rank(dp=replica, pp=0)].result["losses"]
         assert same(torch.tensor(r.result["losses"]), torch.tensor(expected)), (r.rank, r.result["losses"], expected)
         for name, value in r.result["params"].items():
             assert same(value, reference[name]), (r.rank, name, (value - reference[name]).abs().max())
+        if pure and stage == 3:  # every stage's parameters, those this rank holds nothing of included
+            full = {name: r.result["full"][name] for name in reference}
+            assert {value.dtype for value in full.values()} == {torch.bfloat16}, r.rank
+            assert all(torch.equal(value, reference[name]) for name, value in full.items()), r.rank
 
 
 def _check_memory(results: list, stage: int) -> None:

@@ -274,9 +274,6 @@ class Sharding:
                                   report: PassReport) -> tuple[Program, PassReport]:
         """Sharding × pipeline: leave the whole Program to the split, which shards each stage's optimizer Program."""
         stage = config.sharding_configs.stage
-        if stage == 3 and config.amp and config.amp_configs.use_pure_fp16:  # not run on processes with a pipeline
-            raise PassStrategyError("sharding_configs.stage 3 with strategy.pipeline and amp_configs.use_pure_fp16 "
-                                    "is not supported yet; use AMP without use_pure_fp16, or sharding_configs.stage 2")
         meta["per_stage"] = {"stage": stage, "segment_broadcast_MB": config.sharding_configs.segment_broadcast_MB}
         if stage == 3:
             _record_param_dtypes(program, meta)

@@ -148,15 +148,10 @@ def _whole_shape(stage, name: str) -> tuple:
     raise AssertionError(name)
 
 
-@pytest.mark.parametrize("fields, clip, refusal", [
-    ({}, fleetc.ClipGradByNorm(0.1), r"stage 3 with pipeline: fleetc\.clip_by_norm reads whole gradients"),
-    ({"amp": True, "amp_configs": {"use_pure_fp16": True}}, None,
-     "stage 3 with strategy.pipeline and amp_configs.use_pure_fp16 is not supported")])
-def test_stage_3_under_pipeline_refuses_what_it_does_not_build_by_name(fields, clip, refusal):
-    """ClipGradByNorm needs each parameter's whole gradient, and a pipeline stage under stage 3 holds pieces only;
-    use_pure_fp16 is not run with a pipeline under stage 3 (AMP O1 is)."""
-    with pytest.raises(PassStrategyError, match=refusal):
-        _split(3, 0, fields=fields, clip=clip)
+def test_stage_3_under_pipeline_refuses_clip_by_norm_by_name():
+    """ClipGradByNorm needs each parameter's whole gradient, and a pipeline stage under stage 3 holds pieces only."""
+    with pytest.raises(PassStrategyError, match=r"stage 3 with pipeline: fleetc\.clip_by_norm reads whole gradients"):
+        _split(3, 0, clip=fleetc.ClipGradByNorm(0.1))
 
 
 def test_stage_3_under_pipeline_clips_by_the_norm_over_every_stage_and_piece():
